@@ -1,0 +1,68 @@
+"""The kvtier exception hierarchy.
+
+A miss is a value (``None``, ``False``, a count); a failure is one of these.
+Every class is classified so that callers decide by kind, not by message:
+
+* :class:`TransientError` — retrying may succeed (timeouts, overload,
+  dropped connections, an open circuit breaker).
+* :class:`CorruptBlockError` — bytes from a tier are not a valid block.
+  The store turns it into a miss, counts it and deletes the block.
+* :class:`ConfigError` — the configuration is wrong; fix it, retrying won't.
+* :class:`AuthError` — the caller is not allowed to do this.
+
+None of these shadow built-ins (``ConnectionError``, ``TimeoutError``).
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base class of every error raised by kvtier."""
+
+
+class ConfigError(KvtierError):
+    """The configuration is invalid or names something that does not exist."""
+
+
+class TransientError(KvtierError):
+    """A failure that may succeed on retry: timeout, overload, lost connection."""
+
+
+class TierUnavailableError(TransientError):
+    """The tier is skipped for now (its circuit breaker is open)."""
+
+
+class CapacityError(KvtierError):
+    """An item can never fit in the tier (larger than its whole capacity)."""
+
+
+class AuthError(KvtierError):
+    """The caller is not authenticated or not allowed to do this."""
+
+
+class CorruptBlockError(KvtierError):
+    """Bytes read back from a tier do not form a valid block."""
+
+
+class BadMagicError(CorruptBlockError):
+    """The block does not start with the kvtier magic bytes."""
+
+
+class UnsupportedVersionError(CorruptBlockError):
+    """The block was written by a format version this reader does not know."""
+
+
+class BadHeaderError(CorruptBlockError):
+    """A header field holds an impossible value (unknown enum, zero dimension...)."""
+
+
+class BadLengthError(CorruptBlockError):
+    """The byte length disagrees with what the header declares."""
+
+
+class BadShapeError(CorruptBlockError):
+    """The header's shape disagrees with the payload or with what the reader expects."""
+
+
+class ChecksumError(CorruptBlockError):
+    """The checksum over header and body does not match."""
