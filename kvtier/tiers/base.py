@@ -57,6 +57,11 @@ class Tier(abc.ABC):
     name: str = "tier"
     """Label used in metrics and logs; unique within one store."""
 
+    fast: bool = False
+    """True if calls cost about a memory copy (in-process memory). The store
+    calls a fast top tier on the caller's thread; any other tier only from
+    background writers or for reads."""
+
     verifies_reads: bool = False
     """True if ``get`` only ever returns blocks that passed
     :func:`kvtier.block.verify_block` (or that were verified before they were

@@ -1,0 +1,251 @@
+"""The kvtier configuration: one typed, strict model, loaded from YAML.
+
+Precedence, lowest first: built-in defaults, the YAML file, then environment
+overrides. An override is ``KVTIER_<PATH>`` where ``<PATH>`` is the key path
+in upper case with ``__`` between levels and list indices as numbers::
+
+    KVTIER_CHUNK_SIZE=512
+    KVTIER_STORE__WRITE_POLICY=write_back
+    KVTIER_TIERS__0__CAPACITY=2GiB
+
+Values are parsed as YAML scalars (``512`` is an int, ``true`` a bool).
+``KVTIER_CONFIG`` names the file; a few other ``KVTIER_`` variables that are
+not configuration keys are listed in :data:`NON_CONFIG_ENV`. Anything else
+that looks like an override but names no key is an error, as is an unknown
+key, a bad unit or an impossible value in the file: the message names the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_bytes
+
+ENV_PREFIX = "KVTIER_"
+NON_CONFIG_ENV = frozenset(
+    {"KVTIER_CONFIG", "KVTIER_MODEL_DIR", "KVTIER_CACHE_DIR", "KVTIER_LOG_LEVEL", "KVTIER_HOME"}
+)
+"""``KVTIER_`` variables that are not configuration overrides."""
+
+DEFAULT_CACHE_DIR = Path("~/.cache/kvtier")
+
+
+def _bytes(value: Any) -> int:
+    return parse_bytes(value)
+
+
+ByteSize = Annotated[int, BeforeValidator(_bytes), Field(gt=0)]
+"""A positive byte count, written as ``4GiB``, ``512MB`` or an int."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CpuTierConfig(_Strict):
+    """An in-process memory tier."""
+
+    type: Literal["cpu"] = "cpu"
+    name: str = "cpu"
+    capacity: ByteSize = parse_bytes("1GiB")
+    eviction: Literal["lru", "fifo", "lfu"] = "lru"
+
+
+class DiskTierConfig(_Strict):
+    """A local directory of block files."""
+
+    type: Literal["disk"] = "disk"
+    name: str = "disk"
+    path: Path = DEFAULT_CACHE_DIR / "blocks"
+    capacity: ByteSize = parse_bytes("8GiB")
+    eviction: Literal["lru", "fifo", "lfu"] = "lru"
+    fsync: bool = False
+
+
+TierConfig = Annotated[CpuTierConfig | DiskTierConfig, Field(discriminator="type")]
+
+
+class BlockConfig(_Strict):
+    """How chunks are encoded into blocks."""
+
+    encoding: Literal["raw", "int8", "fp8_e4m3"] = "raw"
+    # NOTE: none by default: measured on activation-like bf16 KV, lz4 saves
+    # under 1% and costs 2x the encode time (docs/architecture.md, bench/RESULTS.md).
+    compression: Literal["none", "lz4"] = "none"
+
+
+class StoreConfig(_Strict):
+    """How the tiers are composed."""
+
+    write_policy: Literal["write_through", "write_back", "selective"] = "write_through"
+    selective_hits: int = Field(2, ge=1)
+    writer_queue: int = Field(1024, ge=1)
+    flush_on_close: bool = True
+
+
+class ConnectorConfig(_Strict):
+    """The engine side: what to look up, load and save."""
+
+    min_load_tokens: int = Field(256, ge=1, description="do not load a hit shorter than this")
+    save_decode: bool = Field(False, description="also save chunks completed during decode")
+    load_timeout_s: float = Field(5.0, gt=0)
+    save_queue: int = Field(
+        64, ge=1, description="requests' chunks waiting to be saved before dropping"
+    )
+
+
+class MetricsConfig(_Strict):
+    """Prometheus exposition."""
+
+    port: int | None = Field(
+        None, ge=0, le=65535, description="serve /metrics on this port (None: off)"
+    )
+
+
+def _default_tiers() -> list[TierConfig]:
+    """CPU in front of local disk: the embedded default, a complete product."""
+    return [CpuTierConfig(), DiskTierConfig()]
+
+
+class KvtierConfig(_Strict):
+    """Everything kvtier needs, one place."""
+
+    chunk_size: int = Field(256, ge=16, le=65536)
+    save_partial_chunks: bool = False
+    block: BlockConfig = BlockConfig()
+    store: StoreConfig = StoreConfig()
+    tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
+    connector: ConnectorConfig = ConnectorConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> KvtierConfig:
+        if self.chunk_size % 16:
+            raise ValueError(
+                f"chunk_size must be a multiple of 16 (the engine block size), got {self.chunk_size}"
+            )
+        names = [t.name for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tier names must be unique; repeated: {dupes} (set `name:` on each)")
+        return self
+
+
+def _format_error(e: ValidationError, source: str) -> str:
+    lines = [f"invalid kvtier configuration ({source}):"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any]]:
+    fields = set(KvtierConfig.model_fields)
+    out: list[tuple[list[str], Any]] = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if path[0] not in fields:
+            close = difflib.get_close_matches(path[0], fields, n=1)
+            if "__" in name or close:
+                hint = f" (did you mean KVTIER_{close[0].upper()}?)" if close else ""
+                raise ConfigError(f"environment variable {name} names no configuration key{hint}")
+            continue  # some other tool's KVTIER_ variable
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError as e:
+            raise ConfigError(f"environment variable {name}: cannot parse {raw!r}: {e}") from None
+        out.append((path, value))
+    return out
+
+
+def _apply(data: dict[str, Any], path: list[str], value: Any, env_name: str) -> None:
+    node: Any = data
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"{env_name}: no list item {part!r} at {'.'.join(path[:i]) or 'top level'}"
+                )
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"{env_name}: {'.'.join(path[:i])} is not a section")
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> KvtierConfig:
+    """Build the effective configuration.
+
+    Args:
+        path: A YAML file; ``None`` uses ``$KVTIER_CONFIG`` if set, else defaults.
+        env: Environment to read overrides from (``os.environ`` by default).
+        overrides: Top-level keys applied last (for programmatic use).
+
+    Raises:
+        ConfigError: The file is missing or malformed, or a key or value is
+            invalid; the message names every bad key.
+    """
+    env = os.environ if env is None else env
+    if path is None:
+        path = env.get("KVTIER_CONFIG") or None
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path).expanduser()
+        source = str(p)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read configuration file {p}: {e.strerror or e}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"configuration file {p} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"configuration file {p} must hold a mapping at the top level")
+        data = loaded
+    env_items = _env_overrides(env)
+    if env_items:
+        if "tiers" not in data and any(p[0] == "tiers" for p, _ in env_items):
+            data["tiers"] = [t.model_dump(mode="json") for t in KvtierConfig().tiers]
+        for p_, value in env_items:
+            _apply(data, p_, value, ENV_PREFIX + "__".join(p_).upper())
+        source += " + environment"
+    if overrides:
+        data.update(overrides)
+    try:
+        return KvtierConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def dump_config(config: KvtierConfig) -> str:
+    """The configuration as YAML (what ``kvtier config show`` prints)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,157 @@
+"""Background writers: one bounded queue and one thread per slow tier.
+
+A caller hands blocks to :meth:`BackgroundWriter.submit` and returns at once.
+When the queue is full the block is dropped and counted: a slow or dead tier
+never makes an inference request wait. Each tier has its own writer, so a
+slow remote tier does not hold back writes to local disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from kvtier.errors import KvtierError
+from kvtier.metrics import StoreMetrics
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class BackgroundWriter:
+    """Writes ``(key, block)`` pairs to one tier from a daemon thread.
+
+    Args:
+        tier: Destination.
+        max_queue: Blocks that may wait; more are dropped.
+        max_batch: Blocks written per ``tier.put`` call.
+        metrics: Queue depth, drops, put outcomes.
+        on_error: Called with each exception a put raised (for logging/tests).
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        *,
+        max_queue: int = 1024,
+        max_batch: int = 16,
+        metrics: StoreMetrics | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.tier = tier
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
+        self._max_batch = max_batch
+        self._metrics = metrics
+        self._on_error = on_error
+        self.dropped = 0
+        self.written = 0
+        self.failed = 0
+        self._closed = False
+        if metrics is not None:
+            metrics.track_queue(tier.name, self._queue.qsize)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvtier-writer-{tier.name}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, key: bytes, block: bytes, *, wait: float = 0.0) -> bool:
+        """Queue one block; ``False`` (and counted) if the queue stays full for ``wait`` s, or is closed."""
+        if self._closed:
+            return False
+        try:
+            if wait > 0:
+                self._queue.put((key, block), timeout=wait)
+            else:
+                self._queue.put_nowait((key, block))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            if self._metrics is not None:
+                self._metrics.queue_dropped.labels(self.tier.name).inc()
+            return False
+
+    def pending(self) -> int:
+        """Blocks queued or being written."""
+        return self._queue.unfinished_tasks
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far is written; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Finish queued writes (up to ``timeout``), then stop the thread."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        try:
+            self._queue.put(_STOP, timeout=1.0)
+        except queue.Full:
+            log.warning("writer for %s: queue still full at close; abandoning it", self.tier.name)
+            return
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                self._queue.task_done()
+                return
+            batch = [item]
+            while len(batch) < self._max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    self._queue.task_done()
+                    self._write(batch)
+                    return
+                batch.append(nxt)
+            self._write(batch)
+
+    def _write(self, batch: list[object]) -> None:
+        items: list[tuple[bytes, bytes]] = [b for b in batch if isinstance(b, tuple)]
+        name = self.tier.name
+        try:
+            if self._metrics is not None:
+                with self._metrics.time_op(name, "put"):
+                    results = self.tier.put(items)
+            else:
+                results = self.tier.put(items)
+            ok = sum(results)
+            self.written += ok
+            self.failed += len(items) - ok
+            if self._metrics is not None:
+                self._metrics.observe_op(name, "put", "ok", ok)
+                self._metrics.observe_op(name, "put", "dropped", len(items) - ok)
+                self._metrics.tier_bytes.labels(name, "put").inc(
+                    sum(len(b) for (_, b), r in zip(items, results, strict=True) if r)
+                )
+        except KvtierError as e:
+            self.failed += len(items)
+            if self._metrics is not None:
+                self._metrics.observe_op(name, "put", "error", len(items))
+            log.debug("writer for %s: put failed: %s", name, e)
+            if self._on_error is not None:
+                self._on_error(e)
+        except Exception as e:  # a bug or an unexpected library error: keep the writer alive
+            self.failed += len(items)
+            if self._metrics is not None:
+                self._metrics.observe_op(name, "put", "error", len(items))
+            log.exception("writer for %s: unexpected error", name)
+            if self._on_error is not None:
+                self._on_error(e)
+        finally:
+            for _ in batch:
+                self._queue.task_done()

@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.metrics import StoreMetrics
+from kvtier.store import TieredStore, WritePolicy
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from tests.kvtier.helpers import FlakyTier, block, key
+
+BLOCK_LEN = len(block(0))
+
+
+def ops(m: StoreMetrics, tier: str, op: str, outcome: str) -> float:
+    return m.value("kvtier_tier_ops_total", {"tier": tier, "op": op, "outcome": outcome})
+
+
+def make(
+    tmp_path: Path,
+    policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    cpu_blocks: int = 4,
+    **kw: object,
+) -> TieredStore:
+    return TieredStore(
+        [CpuTier(BLOCK_LEN * cpu_blocks), DiskTier(tmp_path / "disk", BLOCK_LEN * 100)],
+        write_policy=policy,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_lookup_is_prefix_across_tiers(tmp_path: Path) -> None:
+    with make(tmp_path) as s:
+        cpu, disk = s.tiers
+        cpu.put([(key(0), block(0)), (key(2), block(2))])
+        disk.put([(key(1), block(1)), (key(3), block(3))])
+        keys = [key(i) for i in range(6)]
+        assert s.lookup(keys) == 4  # 0 cpu, 1 disk, 2 cpu, 3 disk, 4 missing
+        assert s.lookup([key(9), *keys]) == 0
+        assert s.lookup([]) == 0
+        m = s.metrics
+        assert m.value("kvtier_lookups_total", {"outcome": "partial"}) == 1
+        assert m.value("kvtier_lookups_total", {"outcome": "miss"}) == 1
+        assert m.value("kvtier_lookup_keys_total", {"kind": "hit"}) == 4
+        s.check_integrity()
+
+
+def test_write_through_reaches_every_tier(tmp_path: Path) -> None:
+    with make(tmp_path) as s:
+        s.put([(key(i), block(i)) for i in range(3)])
+        assert s.flush(5)
+        assert s.tiers[0].contains([key(0), key(1), key(2)]) == [True] * 3
+        assert s.tiers[1].contains([key(0), key(1), key(2)]) == [True] * 3
+        s.check_integrity()
+
+
+def test_get_promotes_lower_tier_hits(tmp_path: Path) -> None:
+    with make(tmp_path) as s:
+        s.tiers[1].put([(key(7), block(7))])
+        assert s.get([key(7), key(8)]) == [block(7), None]
+        assert s.tiers[0].contains([key(7)]) == [True]
+        assert s.metrics.value("kvtier_promotions_total", {"tier": "cpu"}) == 1
+        assert ops(s.metrics, "disk", "get", "hit") == 1
+        assert ops(s.metrics, "disk", "get", "miss") == 1
+        s.check_integrity()
+
+
+def test_write_back_writes_down_on_eviction_and_close(tmp_path: Path) -> None:
+    s = make(tmp_path, WritePolicy.WRITE_BACK, cpu_blocks=2)
+    s.put([(key(0), block(0)), (key(1), block(1))])
+    assert s.flush(5)
+    assert s.tiers[1].usage().num_blocks == 0  # nothing written down yet
+    s.put([(key(2), block(2))])  # evicts key 0 from the CPU tier
+    assert s.flush(5)
+    assert s.tiers[1].contains([key(0), key(1), key(2)]) == [True, False, False]
+    s.check_integrity()
+    s.close()  # writes the CPU tier's blocks down
+    disk = DiskTier(tmp_path / "disk", BLOCK_LEN * 100)
+    assert disk.get([key(0), key(1), key(2)]) == [block(0), block(1), block(2)]
+
+
+def test_selective_writes_down_after_n_hits(tmp_path: Path) -> None:
+    with make(tmp_path, WritePolicy.SELECTIVE, selective_hits=2) as s:
+        s.put([(key(0), block(0)), (key(1), block(1))])
+        s.get([key(0)])
+        assert s.flush(5)
+        assert s.tiers[1].contains([key(0)]) == [False]
+        s.get([key(0), key(1)])
+        assert s.flush(5)
+        assert s.tiers[1].contains([key(0), key(1)]) == [True, False]
+
+
+def test_slow_tier_never_blocks_put_and_full_queue_drops(tmp_path: Path) -> None:
+    slow = FlakyTier("slow", delay=0.2)
+    with TieredStore([CpuTier(BLOCK_LEN * 50), slow], writer_queue=2) as s:
+        t0 = time.perf_counter()
+        for i in range(10):
+            s.put([(key(i), block(i))])
+        assert time.perf_counter() - t0 < 0.15  # the caller did not wait for the slow tier
+        dropped = s.metrics.value("kvtier_writer_dropped_total", {"tier": "slow"})
+        assert dropped >= 5
+        assert s.tiers[0].contains([key(i) for i in range(10)]) == [True] * 10
+        s.flush(5)
+        assert len(slow.data) == 10 - dropped
+
+
+@pytest.mark.parametrize("error", [TransientError("timeout"), TierUnavailableError("breaker open")])
+def test_failing_tier_is_a_counted_miss(error: Exception) -> None:
+    bad = FlakyTier("remote")
+    bad.data[key(1)] = block(1)
+    bad.fail = error
+    with TieredStore([CpuTier(BLOCK_LEN * 10), bad]) as s:
+        s.tiers[0].put([(key(0), block(0))])
+        assert s.lookup([key(0), key(1)]) == 1
+        assert s.get([key(0), key(1)]) == [block(0), None]
+        kind = "unavailable" if isinstance(error, TierUnavailableError) else "transient"
+        assert s.metrics.value("kvtier_tier_errors_total", {"tier": "remote", "kind": kind}) == 2
+        s.put([(key(2), block(2))])
+        s.flush(5)
+        assert ops(s.metrics, "remote", "put", "error") == 1
+        bad.fail = None  # recovers
+        assert s.get([key(1)]) == [block(1)]
+
+
+def test_corrupt_block_from_a_tier_is_deleted_and_counted() -> None:
+    lower = FlakyTier("remote")
+    bad = bytearray(block(1))
+    bad[-1] ^= 1
+    lower.data[key(1)] = bytes(bad)
+    lower.data[key(2)] = b"garbage"
+    with TieredStore([CpuTier(BLOCK_LEN * 10), lower]) as s:
+        assert s.get([key(1), key(2)]) == [None, None]
+        assert key(1) not in lower.data and key(2) not in lower.data
+        assert s.metrics.value("kvtier_corrupt_blocks_total", {"tier": "remote"}) == 2
+        assert s.tiers[0].usage().num_blocks == 0  # nothing corrupt was promoted
+
+
+def test_store_rejects_bad_construction() -> None:
+    with pytest.raises(ConfigError):
+        TieredStore([])
+    with pytest.raises(ConfigError):
+        TieredStore([CpuTier(100), CpuTier(100)])
+
+
+def test_concurrent_mutation_keeps_integrity(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with make(tmp_path, cpu_blocks=6) as s:
+        deadline = time.monotonic() + 3
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(100):
+                    if time.monotonic() > deadline:
+                        return
+                    i = rng.randrange(30)
+                    r = rng.random()
+                    if r < 0.4:
+                        s.put([(key(i), block(i))])
+                    elif r < 0.8:
+                        got = s.get([key(i)])[0]
+                        assert got is None or got == block(i)
+                    elif r < 0.95:
+                        s.lookup([key(i), key(i + 1)])
+                    else:
+                        s.delete([key(i)])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        s.flush(10)
+        s.check_integrity()

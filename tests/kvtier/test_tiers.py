@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import errno
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers.base import Tier
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, make_policy
+from tests.kvtier.helpers import block, key
+
+BLOCK_LEN = len(block(0))
+
+
+@pytest.fixture(params=["cpu", "disk"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
+    cap = BLOCK_LEN * 5
+    if request.param == "cpu":
+        t: Tier = CpuTier(cap)
+    else:
+        t = DiskTier(tmp_path / "d", cap)
+    yield t
+    t.close()
+
+
+def test_put_get_contains_delete(tier: Tier) -> None:
+    items = [(key(i), block(i)) for i in range(3)]
+    assert tier.put(items) == [True] * 3
+    assert tier.contains([key(0), key(9), key(2)]) == [True, False, True]
+    assert tier.get([key(1), key(9)]) == [block(1), None]
+    assert tier.prefix_length([key(0), key(1), key(9), key(2)]) == 2
+    assert tier.delete([key(1), key(9)]) == 1
+    assert tier.get([key(1)]) == [None]
+    assert tier.usage().num_blocks == 2 and tier.usage().used_bytes == 2 * BLOCK_LEN
+    tier.check_integrity()
+
+
+def test_lru_eviction_and_listener(tier: Tier) -> None:
+    evicted: list[bytes] = []
+    tier.set_eviction_listener(lambda k, b: evicted.append(k))
+    tier.put([(key(i), block(i)) for i in range(5)])
+    tier.get([key(0)])  # refresh 0: 1 becomes the oldest
+    tier.put([(key(5), block(5))])
+    assert evicted == [key(1)]
+    assert tier.contains([key(0), key(1), key(5)]) == [True, False, True]
+    tier.check_integrity()
+
+
+def test_block_larger_than_capacity_is_refused(tier: Tier) -> None:
+    big = block(1, tokens=64)
+    assert len(big) > BLOCK_LEN * 5
+    assert tier.put([(key(1), big)]) == [False]
+    assert tier.usage().used_bytes == 0
+    tier.check_integrity()
+
+
+def test_rewrite_of_present_key_is_harmless(tier: Tier) -> None:
+    tier.put([(key(1), block(1))])
+    assert tier.put([(key(1), block(1))]) == [True]
+    assert tier.usage().num_blocks == 1
+    tier.check_integrity()
+
+
+def test_never_over_capacity_under_concurrency(tier: Tier) -> None:
+    cap = tier.usage().capacity_bytes
+    assert cap is not None
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 3.0
+    over: list[int] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                if time.monotonic() > stop:
+                    return
+                i = rng.randrange(40)
+                op = rng.random()
+                if op < 0.5:
+                    tier.put([(key(i), block(i))])
+                elif op < 0.9:
+                    got = tier.get([key(i)])[0]
+                    assert got is None or got == block(i)
+                else:
+                    tier.delete([key(i)])
+                used = tier.usage().used_bytes
+                if used > cap:
+                    over.append(used)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert not over
+    tier.check_integrity()
+
+
+def test_policies_order() -> None:
+    for policy, expected in ((LRUPolicy(), b"b"), (FIFOPolicy(), b"a"), (LFUPolicy(), b"b")):
+        for k in (b"a", b"b", b"c"):
+            policy.insert(k)
+        policy.access(b"a")
+        policy.access(b"c")
+        assert policy.victim() == expected, type(policy)
+        policy.remove(expected)
+        assert len(policy) == 2
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("random")
+
+
+def test_disk_survives_restart(tmp_path: Path) -> None:
+    d = DiskTier(tmp_path, BLOCK_LEN * 10)
+    d.put([(key(i), block(i)) for i in range(4)])
+    d.close()
+    d2 = DiskTier(tmp_path, BLOCK_LEN * 10)
+    assert d2.get([key(i) for i in range(4)]) == [block(i) for i in range(4)]
+    assert d2.usage().used_bytes == 4 * BLOCK_LEN
+    d2.check_integrity()
+
+
+def test_disk_restart_with_smaller_capacity_evicts(tmp_path: Path) -> None:
+    d = DiskTier(tmp_path, BLOCK_LEN * 10)
+    d.put([(key(i), block(i)) for i in range(6)])
+    d2 = DiskTier(tmp_path, BLOCK_LEN * 3)
+    assert d2.usage().num_blocks == 3
+    d2.check_integrity()
+
+
+def test_disk_corrupt_or_truncated_file_is_a_miss_and_removed(tmp_path: Path) -> None:
+    d = DiskTier(tmp_path, BLOCK_LEN * 10)
+    d.put([(key(i), block(i)) for i in range(3)])
+    files = {p.name: p for p in (tmp_path / "blocks").rglob("*.kvb")}
+    f0 = files[key(0).hex() + ".kvb"]
+    data = bytearray(f0.read_bytes())
+    data[-1] ^= 0xFF
+    f0.write_bytes(bytes(data))
+    f1 = files[key(1).hex() + ".kvb"]
+    f1.write_bytes(f1.read_bytes()[:100])
+    assert d.get([key(0), key(1), key(2)]) == [None, None, block(2)]
+    assert not f0.exists() and not f1.exists()
+    assert d.corrupt_blocks == 2
+    d.check_integrity()
+    # A half-written file found at start (same size as indexed, bad content) is caught on read too.
+    d.close()
+    (tmp_path / "tmp" / "x.part").write_bytes(b"half")
+    d2 = DiskTier(tmp_path, BLOCK_LEN * 10)
+    assert not (tmp_path / "tmp" / "x.part").exists()
+    assert d2.get([key(2)]) == [block(2)]
+
+
+def test_disk_full_drops_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = DiskTier(tmp_path, BLOCK_LEN * 10)
+    d.put([(key(0), block(0))])
+    real_replace = __import__("os").replace
+
+    def full(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("kvtier.tiers.disk.os.replace", full)
+    assert d.put([(key(1), block(1)), (key(2), block(2))]) == [False, False]
+    assert d.dropped_writes == 2
+    assert list((tmp_path / "tmp").iterdir()) == []
+    d.check_integrity()
+    monkeypatch.setattr("kvtier.tiers.disk.os.replace", real_replace)
+    assert d.put([(key(1), block(1))]) == [True]
+    assert d.get([key(0), key(1)]) == [block(0), block(1)]
+    d.check_integrity()
