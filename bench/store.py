@@ -1,0 +1,158 @@
+"""Put/get throughput of kvtier's tiers, each as a ratio to memcpy in the same run.
+
+    python bench/store.py --quick
+    python bench/store.py --tiers cpu,disk --sizes 256KiB,1MiB,4MiB,16MiB,32MiB
+
+What is measured, per tier and block size (GB/s of block bytes), with every
+copy done by numpy (single-threaded memcpy, like the baseline):
+
+* ``put``: materialise each block from a source buffer (the copy an encoder
+  makes) and ``tier.put`` it under a fresh key.
+* ``get``: ``tier.get`` and copy each returned block into a destination
+  buffer (a CPU-tier get alone returns a reference, which says nothing).
+* ``load``: what a consumer pays to receive KV: ``TieredStore.get`` with that
+  tier on top, ``decode_block`` (header check; checksum unless the tier
+  verified the block already) and the copy of the payload into a destination
+  — the figure that matters for time-to-first-token.
+
+The memcpy baseline copies the same blocks into the same destination with
+numpy, measured in the same run right after the tier's figures. Disk figures are with the page cache warm (nothing flushes it
+between writing and reading): an upper bound for a real disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, machine, table, timeit
+
+from kvtier.block import activation_like_kv, decode_block, encode_block
+from kvtier.store import TieredStore
+from kvtier.tiers.base import Tier
+from kvtier.tiers.cpu import CpuTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.units import format_bytes, parse_bytes
+
+BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # one layer, K and V, 8 heads of 128, bf16
+
+
+def make_blocks(block_bytes: int, count: int, seed: int) -> list[tuple[bytes, bytes]]:
+    tokens = max(1, block_bytes // BYTES_PER_TOKEN)
+    kv = activation_like_kv((1, 2, tokens, 8, 128), torch.bfloat16, seed=seed)
+    out = []
+    for i in range(count):
+        kv.view(-1)[0] = float(i)  # distinct content per block
+        key = (seed * 100003 + i).to_bytes(16, "little")
+        out.append((key, encode_block(kv)))
+    return out
+
+
+def build_tier(kind: str, tmp: Path, capacity: int) -> Tier:
+    if kind == "cpu":
+        return CpuTier(capacity)
+    if kind == "disk":
+        return DiskTier(tmp / "disk", capacity)
+    raise SystemExit(f"unknown tier {kind!r}; this script knows: cpu, disk")
+
+
+def bench_tier(kind: str, block_bytes: int, count: int, tmp: Path, repeat: int) -> dict[str, float]:
+    items = make_blocks(block_bytes, count, seed=block_bytes % 9973)
+    nbytes = sum(len(b) for _, b in items)
+    tier = build_tier(kind, tmp, capacity=nbytes * 4)
+    sources = [np.frombuffer(b, dtype=np.uint8) for _, b in items]
+    dst = np.empty(max(len(b) for _, b in items), dtype=np.uint8)
+    state = {"round": 0}
+
+    def put() -> None:
+        # Fresh keys each round so every put really stores.
+        state["round"] += 1
+        r = state["round"].to_bytes(4, "little")
+        tier.put([(r + k[4:], src.tobytes()) for (k, _), src in zip(items, sources, strict=True)])
+
+    put_s = timeit(put, repeat=repeat, min_time=0.02)
+    tier.put(items)
+    keys = [k for k, _ in items]
+
+    def get() -> None:
+        for block in tier.get(keys):
+            assert block is not None
+            np.copyto(dst[: len(block)], np.frombuffer(block, dtype=np.uint8))
+
+    get_s = timeit(get, repeat=repeat, min_time=0.02)
+
+    store = TieredStore([tier])
+    trusted = tier.verifies_reads
+
+    def load() -> None:
+        for block in store.get(keys):
+            assert block is not None
+            payload = decode_block(block, verify=not trusted).payload
+            flat = payload.reshape(-1).view(torch.uint8).numpy()
+            np.copyto(dst[: flat.size], flat)
+
+    load_s = timeit(load, repeat=repeat, min_time=0.02)
+    store.close()
+
+    def memcpy() -> None:
+        # The baseline: the same blocks copied into the same destination.
+        for src in sources:
+            np.copyto(dst[: src.size], src)
+
+    memcpy_s = timeit(memcpy, repeat=repeat, min_time=0.02)
+    return {
+        "put": nbytes / put_s / 1e9,
+        "get": nbytes / get_s / 1e9,
+        "load": nbytes / load_s / 1e9,
+        "memcpy": nbytes / memcpy_s / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats (under a minute)")
+    ap.add_argument("--tiers", default="cpu,disk")
+    ap.add_argument(
+        "--sizes", default=None, help="comma-separated block sizes (default 256KiB..32MiB)"
+    )
+    args = ap.parse_args()
+    sizes = args.sizes or ("256KiB,4MiB,32MiB" if args.quick else "256KiB,1MiB,4MiB,16MiB,32MiB")
+    block_sizes = [parse_bytes(s) for s in sizes.split(",")]
+    repeat = 3 if args.quick else 7
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+
+    results = []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        for size in block_sizes:
+            count = max(2, min(32, (64 << 20) // size))
+            for kind in tiers:
+                r = bench_tier(kind, size, count, Path(tmp) / f"{kind}-{size}", repeat)
+                base = r["memcpy"]
+                for op in ("put", "get", "load"):
+                    ratio = r[op] / base
+                    results.append(
+                        {
+                            "tier": kind,
+                            "op": op,
+                            "block_bytes": size,
+                            "gbps": round(r[op], 3),
+                            "memcpy_gbps": round(base, 3),
+                            "ratio_memcpy": round(ratio, 3),
+                        }
+                    )
+                    rows.append([kind, op, format_bytes(size), r[op], base, ratio])
+    print(__doc__.split("\n")[0])
+    print(table(["tier", "op", "block", "GB/s", "memcpy GB/s", "x memcpy"], rows))
+    emit({"bench": "store", "quick": args.quick, "machine": machine(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
