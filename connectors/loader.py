@@ -1,0 +1,113 @@
+"""The load path: place fetched blocks into the engine's paged cache.
+
+Fetching (network/disk I/O) runs on a worker thread with a deadline; decoding,
+dequantizing and scattering run on the engine's thread after the fetch
+returned in time. A fetch that misses its deadline is abandoned — its result
+is never written into the cache, so the tokens it would have covered can be
+recomputed safely.
+
+Which tokens of which chunk go where::
+
+    chunk c covers tokens [c*C, c*C + n_c)           (C = chunk size)
+    the request needs     [start, end)               (start: what G1 had)
+    chunk c writes        [max(start, c*C), min(end, c*C + n_c))
+    token t goes to slot  block_ids[t // B] * B + t % B   (B = block size)
+
+A chunk's tokens outside the needed window get slot -1 (not written).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.block import BlockSpec, Encoding, decode_block
+from kvtier.errors import CorruptBlockError
+from kvtier.kernels import KernelInputError, scatter_kv, scatter_kv_dequantized
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Result of placing one request's chunks."""
+
+    loaded_tokens: int  # from ``start``, contiguous
+    bytes_loaded: int
+    error: str | None = None
+
+
+def slot_mapping(
+    block_ids: list[int],
+    block_size: int,
+    chunk_start: int,
+    chunk_tokens: int,
+    lo: int,
+    hi: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Slots for the tokens of a chunk starting at ``chunk_start``; -1 outside ``[lo, hi)``."""
+    pos = torch.arange(chunk_start, chunk_start + chunk_tokens, dtype=torch.int64)
+    inside = (pos >= lo) & (pos < hi)
+    safe = torch.where(inside, pos, torch.zeros_like(pos))
+    table = torch.as_tensor(block_ids, dtype=torch.int64)
+    blocks = table[torch.clamp(safe // block_size, max=len(block_ids) - 1)]
+    slots = torch.where(inside, blocks * block_size + safe % block_size, torch.full_like(pos, -1))
+    return slots.to(device)
+
+
+def place_chunks(
+    blocks: list[bytes | None],
+    *,
+    first_chunk: int,
+    chunk_size: int,
+    start: int,
+    end: int,
+    block_ids: list[int],
+    block_size: int,
+    kv_cache: torch.Tensor,
+    spec: BlockSpec,
+) -> Placement:
+    """Decode ``blocks`` (chunks ``first_chunk, first_chunk+1, ...``) and scatter tokens ``[start, end)``.
+
+    Stops at the first missing or invalid block; reports how many tokens from
+    ``start`` were placed.
+    """
+    placed_to = start
+    nbytes = 0
+    device = kv_cache.device
+    for i, block in enumerate(blocks):
+        c = first_chunk + i
+        chunk_start = c * chunk_size
+        if chunk_start >= end:
+            break
+        if block is None:
+            return Placement(placed_to - start, nbytes, f"chunk {c} is missing")
+        try:
+            decoded = decode_block(block, expect=spec, verify=False)
+        except CorruptBlockError as e:
+            return Placement(placed_to - start, nbytes, f"chunk {c} is invalid: {e}")
+        n = decoded.header.num_tokens
+        hi = min(end, chunk_start + n)
+        if hi <= placed_to:
+            return Placement(placed_to - start, nbytes, f"chunk {c} holds {n} tokens, too few")
+        slots = slot_mapping(
+            block_ids, block_size, chunk_start, n, max(start, chunk_start), hi, device
+        )
+        try:
+            if decoded.header.encoding == Encoding.RAW:
+                scatter_kv(decoded.payload.to(device, non_blocking=True), kv_cache, slots)
+            else:
+                assert decoded.scales is not None
+                scatter_kv_dequantized(
+                    decoded.payload.to(device), decoded.scales.to(device), kv_cache, slots
+                )
+        except KernelInputError as e:
+            return Placement(placed_to - start, nbytes, f"chunk {c} does not fit the cache: {e}")
+        nbytes += len(block)
+        placed_to = hi
+    return Placement(
+        placed_to - start, nbytes, None if placed_to >= end else "fewer chunks than tokens to load"
+    )
