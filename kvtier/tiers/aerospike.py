@@ -1,0 +1,928 @@
+"""The fleet-wide tier: blocks in an Aerospike namespace, via the official client.
+
+Layout (see :mod:`kvtier.tiers.aerospike_layout`): a block that fits under
+the namespace's ``max-record-size`` (minus a safety margin) is one record
+with one bin. A larger block is written as segment records first, under keys
+that carry a random per-write nonce, then as one manifest record under the
+chunk key. The manifest is the commit point:
+
+* A reader reads the chunk keys (one batch), then every segment of every
+  manifest it found (one more batch), reassembles and checks the xxh3
+  checksum. A manifest whose segments are missing or wrong is a miss; the
+  reader deletes it (only if its generation is unchanged, so a newer write
+  is never deleted) and the segments it names.
+* Manifests and single records are written create-only. When two writers of
+  one chunk race, both write their own segments (different nonces), one
+  manifest wins, and the loser — told "record exists" and seeing another
+  nonce in the manifest — deletes its own segments. Readers only ever see
+  complete writes.
+* A writer that dies between its segments and its manifest leaves segments
+  that no manifest names: nothing is readable, and the orphans expire with
+  their TTL (``ttl_s``; with ``-1`` they leak — see the config module).
+
+Connection: the tier connects at construction. If the cluster cannot be
+reached then, construction still succeeds: the breaker is opened, calls
+fail fast with :class:`~kvtier.errors.TierUnavailableError` for the
+cool-down, and the next call after it (the breaker's probe) connects again.
+A namespace that does not exist, or a TTL the namespace cannot honour,
+raises :class:`~kvtier.errors.ConfigError` from every call until fixed;
+:meth:`AerospikeTier.connect` raises it at once for owners that want to
+fail loudly at start.
+
+Failure handling: every call has a total timeout (``total_timeout_ms`` for
+reads, ``write_timeout_ms`` for writes) and the client's own retries are off;
+each round trip is retried by a :class:`~kvtier.retry.Retry` for transient
+errors only. Repeated failed calls open a :class:`~kvtier.breaker.CircuitBreaker`:
+the tier is then skipped without network I/O until the cool-down ends. The
+error mapping is in :mod:`kvtier.tiers.aerospike_errors`.
+
+Recency: with ``recency: read_touch`` (default) reads carry the server's
+``read-touch-ttl-percent`` (server 7.1+): a read in the last part of a
+record's life resets its TTL on the server, for the manifest and every
+segment alike, at no extra round trip and without a write per read. With
+``touch`` the tier sends an explicit batch touch after each hit (any server
+version, one more round trip); ``none`` leaves TTLs alone. ``contains`` never
+refreshes recency.
+
+Thread safety: every method may be called from any thread; the client is
+thread-safe and the tier's own state is locked.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aerospike
+from aerospike import exception as aerospike_exception
+from aerospike_helpers.batch.records import BatchRecords, Remove, Write
+from aerospike_helpers.operations import operations as as_ops
+
+from kvtier.breaker import BreakerState, CircuitBreaker
+from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.metrics import StoreMetrics
+from kvtier.retry import ExponentialBackoff, Retry
+from kvtier.tiers.aerospike_config import AerospikeTierConfig
+from kvtier.tiers.aerospike_errors import (
+    BATCH_FAILED,
+    EXISTS,
+    NOT_FOUND,
+    OK,
+    STOP_WRITES,
+    TOO_BIG,
+    TRANSIENT_CODES,
+    AerospikeTransientError,
+    error_for,
+)
+from kvtier.tiers.aerospike_layout import (
+    BIN_BLOCK,
+    BIN_MANIFEST,
+    BIN_SEGMENT,
+    Manifest,
+    ManifestError,
+)
+from kvtier.tiers.aerospike_metrics import AerospikeMetrics, AerospikeStats, StatsRecorder
+from kvtier.tiers.base import Tier, TierUsage
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ROW_OVERHEAD = 64  # bytes a batch row adds besides its payload (digest, fields, op header)
+_DEFAULT_MAX_RECORD_SIZE = 1024 * 1024  # what a server that reports no cap is assumed to take
+
+
+@dataclass(frozen=True)
+class RecordLimits:
+    """What the tier learned about record sizes at connect.
+
+    Attributes:
+        max_record_size: The smallest ``max-record-size`` of the cluster's nodes.
+        segment_size: The largest block stored as one record, and the payload
+            of each segment record of larger blocks.
+        source: Where ``max_record_size`` came from: ``max-record-size``,
+            ``write-block-size`` or ``assumed``.
+    """
+
+    max_record_size: int
+    segment_size: int
+    source: str
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One record to write in a batch."""
+
+    index: int  # which put item it belongs to
+    key: bytes
+    bin: str
+    data: bytes
+    create_only: bool
+
+
+class AerospikeTier(Tier):
+    """Blocks in Aerospike. See the module docstring for layout and failure handling.
+
+    Args:
+        config: The tier's configuration.
+        metrics: The store's metrics; the tier registers its own series
+            (:class:`~kvtier.tiers.aerospike_metrics.AerospikeMetrics`) on
+            its registry.
+        aerospike_metrics: Pass a shared instance instead when several
+            Aerospike tiers use one registry.
+        clock: Monotonic clock for the breaker and usage cache (tests).
+        sleep: Sleep used between retries (tests).
+    """
+
+    fast = False
+    verifies_reads = False
+
+    def __init__(
+        self,
+        config: AerospikeTierConfig,
+        metrics: StoreMetrics | None = None,
+        *,
+        aerospike_metrics: AerospikeMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        if aerospike_metrics is None and metrics is not None:
+            aerospike_metrics = AerospikeMetrics(metrics.registry)
+        self._stats = StatsRecorder(self.name, aerospike_metrics)
+        self._clock = clock
+        self._breaker = CircuitBreaker(
+            config.breaker_threshold,
+            config.breaker_cooldown_s,
+            clock=clock,
+            on_state_change=self._on_breaker_change,
+        )
+        self._retry = Retry(
+            ExponentialBackoff(
+                base=config.retry_backoff_ms / 1000, cap=config.retry_backoff_cap_ms / 1000
+            ),
+            config.max_retries,
+            (AerospikeTransientError,),
+            sleep=sleep,
+        )
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._limits: RecordLimits | None = None
+        self._closed = False
+        self._usage = TierUsage(used_bytes=0, capacity_bytes=None, num_blocks=None)
+        self._usage_at = -math.inf
+        self._ttl = aerospike.TTL_NEVER_EXPIRE if config.ttl_s == -1 else config.ttl_s
+        read = {
+            "total_timeout": config.total_timeout_ms,
+            "socket_timeout": config.socket_timeout_ms,
+            "max_retries": 0,
+        }
+        touch_pct = config.read_touch_ttl_percent if config.recency == "read_touch" else -1
+        self._read_policy = {**read, "read_touch_ttl_percent": touch_pct}
+        self._exists_policy = {**read, "read_touch_ttl_percent": -1}
+        self._write_policy = {
+            "total_timeout": config.write_timeout_ms,
+            "socket_timeout": config.socket_timeout_ms,
+            "max_retries": 0,
+        }
+        self._create_row = {
+            "ttl": self._ttl,
+            "exists": aerospike.POLICY_EXISTS_CREATE,
+            "key": aerospike.POLICY_KEY_DIGEST,
+        }
+        self._replace_row = {
+            "ttl": self._ttl,
+            "exists": aerospike.POLICY_EXISTS_CREATE_OR_REPLACE,
+            "key": aerospike.POLICY_KEY_DIGEST,
+        }
+        try:
+            self.connect()
+        except TransientError as e:
+            log.warning(
+                "aerospike tier %r: cannot connect to %s (%s); retrying after %.1fs",
+                self.name,
+                self._hosts_text(),
+                e,
+                config.breaker_cooldown_s,
+            )
+            self._stats.failure("connect")
+            self._breaker.trip()
+        except ConfigError as e:
+            log.error("aerospike tier %r: %s", self.name, e)
+            self._stats.failure("config")
+
+    # -- public helpers ------------------------------------------------------------
+
+    def connect(self) -> RecordLimits:
+        """Connect (if not connected) and learn the record limits; idempotent.
+
+        Raises:
+            TransientError: the cluster cannot be reached.
+            ConfigError: the namespace does not exist, the TTL cannot work
+                with its nsup settings, or the segment size does not fit.
+        """
+        with self._lock:
+            if self._closed:
+                raise TierUnavailableError(f"aerospike tier {self.name!r} is closed")
+            if self._client is None:
+                self._stats.round_trip("connect")
+                try:
+                    # NOTE: the 19.x client connects in aerospike.client(); connect()
+                    # is then a no-op kept for older clients.
+                    client = aerospike.client(self._client_config()).connect()
+                except aerospike_exception.AerospikeError as e:
+                    raise self._error(e) from None
+                self._client = client
+            if self._limits is None:
+                self._limits = self._learn_limits(self._client)
+            return self._limits
+
+    @property
+    def limits(self) -> RecordLimits | None:
+        """The record limits learned at connect (``None`` before a connection)."""
+        return self._limits
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self._breaker
+
+    def stats(self) -> AerospikeStats:
+        """The tier's own counters (round trips, retries, drops ...)."""
+        return self._stats.snapshot()
+
+    # -- Tier ----------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """One batch exists call (per ``max_batch_keys`` keys); no recency refresh."""
+        if not keys:
+            return []
+        return self._guard(lambda client: self._contains(client, list(keys)))
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """One batch read of the chunk keys, one more for all segments of segmented hits."""
+        if not keys:
+            return []
+        return self._guard(lambda client: self._get(client, list(keys)))
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        """Single records and segments in one batch write, then the manifests in another.
+
+        Returns ``False`` for items dropped by stop-writes or failed rows.
+
+        Raises:
+            ConfigError: a record was too big for the server (names the setting).
+            TransientError: the whole call failed (timeout, connection).
+        """
+        if not items:
+            return []
+        return self._guard(lambda client: self._put(client, list(items)))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Reads the manifests (one batch), then removes records and segments (one batch)."""
+        if not keys:
+            return 0
+        return self._guard(lambda client: self._delete(client, list(keys)))
+
+    def usage(self) -> TierUsage:
+        """The set's bytes (``sets/<ns>/<set>``) and the namespace's capacity, summed over nodes.
+
+        Never raises and never waits on a failing cluster: it answers from a
+        cache refreshed at most every ``usage_refresh_s`` and only while the
+        breaker is closed. ``used_bytes`` includes replicas; ``capacity_bytes``
+        is the whole namespace's (shared with any other set); ``num_blocks``
+        is ``None`` because segmented blocks are several records.
+        """
+        now = self._clock()
+        if now - self._usage_at < self.config.usage_refresh_s:
+            return self._usage
+        client = self._client
+        if client is None or self._breaker.state is not BreakerState.CLOSED:
+            return self._usage
+        self._usage_at = now
+        try:
+            set_infos = self._info(
+                client, f"sets/{self.config.namespace}/{self.config.set_name}", ":"
+            )
+            ns_infos = self._info(client, f"namespace/{self.config.namespace}", ";")
+        except (TransientError, ConfigError) as e:
+            log.debug("aerospike tier %r: usage unavailable: %s", self.name, e)
+            return self._usage
+        used = sum(int(i.get("data_used_bytes", 0)) for i in set_infos)
+        totals = [int(i["data_total_bytes"]) for i in ns_infos if "data_total_bytes" in i]
+        self._usage = TierUsage(
+            used_bytes=used, capacity_bytes=sum(totals) if totals else None, num_blocks=None
+        )
+        return self._usage
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except aerospike_exception.AerospikeError as e:
+                log.debug("aerospike tier %r: close: %s", self.name, e)
+
+    # -- guard: breaker, connection, error accounting -------------------------------
+
+    def _guard(self, fn: Callable[[Any], T]) -> T:
+        if self._closed:
+            raise TierUnavailableError(f"aerospike tier {self.name!r} is closed")
+        if not self._breaker.allow():
+            self._stats.failure("skipped")
+            raise TierUnavailableError(
+                f"aerospike tier {self.name!r} skipped for {self._breaker.retry_after():.1f}s after repeated failures"
+            )
+        try:
+            self.connect()
+            result = fn(self._client)
+        except TransientError:
+            self._breaker.record_failure()
+            self._stats.failure("transient")
+            raise
+        except ConfigError:
+            self._breaker.record_success()  # the cluster answered
+            self._stats.failure("config")
+            raise
+        except BaseException:
+            self._breaker.release()
+            raise
+        self._breaker.record_success()
+        return result
+
+    def _on_breaker_change(self, old: BreakerState, new: BreakerState) -> None:
+        self._stats.breaker_changed(
+            opened=new is BreakerState.OPEN, is_open=new is not BreakerState.CLOSED
+        )
+        if new is BreakerState.OPEN:
+            log.warning(
+                "aerospike tier %r: circuit open, skipping for %.1fs",
+                self.name,
+                self.config.breaker_cooldown_s,
+            )
+        elif new is BreakerState.CLOSED:
+            log.info("aerospike tier %r: circuit closed, serving again", self.name)
+
+    def _round_trip(self, op: str, fn: Callable[[], T]) -> T:
+        """One client call, retried for transient errors, with errors mapped."""
+
+        def attempt() -> T:
+            self._stats.round_trip(op)
+            try:
+                return fn()
+            except aerospike_exception.AerospikeError as e:
+                raise self._error(e) from None
+
+        return self._retry.call(attempt, on_retry=lambda _e, _n: self._stats.retry())
+
+    def _error(self, e: aerospike_exception.AerospikeError) -> Exception:
+        code = e.code if isinstance(e.code, int) else -1
+        return error_for(
+            code,
+            str(e.msg),
+            namespace=self.config.namespace,
+            in_doubt=bool(getattr(e, "in_doubt", False)),
+        )
+
+    def _rows(self, res: Any) -> list[tuple[int, Any]]:
+        """Per-row ``(result, record)``; raises if the batch failed as a whole.
+
+        The client does not raise for a failed batch: it sets ``res.result``
+        and leaves every row it got no answer for at NO_RESPONSE (-15). When
+        every row failed transiently the call failed: raise, so the retry and
+        the breaker see it (with the batch's own code, e.g. 20 for a namespace
+        the server does not know).
+        """
+        rows = [(br.result, br.record) for br in res.batch_records]
+        if rows and all(code in TRANSIENT_CODES for code, _ in rows):
+            code = res.result if res.result not in (OK, BATCH_FAILED) else rows[0][0]
+            in_doubt = any(br.in_doubt for br in res.batch_records)
+            raise error_for(
+                code, "batch failed", namespace=self.config.namespace, in_doubt=in_doubt
+            )
+        return rows
+
+    def _row_failed(self, code: int) -> None:
+        """A row failed: count it (a miss / a dropped write), or raise if it is a config error."""
+        err = error_for(code, "batch row failed", namespace=self.config.namespace)
+        if isinstance(err, ConfigError):
+            raise err
+        self._stats.failure("row")
+
+    # -- connection ----------------------------------------------------------------
+
+    def _hosts_text(self) -> str:
+        return ",".join(str(h) for h in self.config.hosts)
+
+    def _client_config(self) -> dict[str, Any]:
+        c = self.config
+        read = {
+            "total_timeout": c.total_timeout_ms,
+            "socket_timeout": c.socket_timeout_ms,
+            "max_retries": 0,
+        }
+        write = {**self._write_policy}
+        cfg: dict[str, Any] = {
+            "hosts": c.host_list(),
+            "connect_timeout": c.connect_timeout_ms,
+            "max_conns_per_node": c.max_conns_per_node,
+            "policies": {
+                "read": read,
+                "batch": read,
+                "write": write,
+                "operate": write,
+                "remove": write,
+                "batch_parent_write": write,
+                "info": {"timeout": c.connect_timeout_ms},
+            },
+        }
+        if c.cluster_name:
+            cfg["cluster_name"] = c.cluster_name
+        return cfg
+
+    def _info(self, client: Any, command: str, sep: str) -> list[dict[str, str]]:
+        """``command`` on every node, each reply parsed into a dict (``sep`` between pairs)."""
+        policy = {"timeout": self.config.connect_timeout_ms}
+        replies = self._round_trip("info", lambda: client.info_all(command, policy=policy))
+        out = []
+        for node, (err, text) in replies.items():
+            if err is not None:
+                raise AerospikeTransientError(f"info {command!r} failed on node {node}: {err}", -1)
+            text = (text or "").strip()
+            if text.startswith(command + "\t"):
+                text = text[len(command) + 1 :]
+            pairs = (p.split("=", 1) for p in text.strip(sep).split(sep) if "=" in p)
+            out.append({k: v for k, v in pairs})
+        return out
+
+    def _learn_limits(self, client: Any) -> RecordLimits:
+        c = self.config
+        infos = self._info(client, f"namespace/{c.namespace}", ";")
+        if not infos or any(
+            i.get("type") == "unknown" or i.get("ns_type") == "unknown" for i in infos
+        ):
+            raise ConfigError(
+                f"aerospike tier {self.name!r}: namespace {c.namespace!r} does not exist on {self._hosts_text()}"
+            )
+        sizes, source = [], "assumed"
+        for info in infos:
+            for field, name in (
+                ("max-record-size", "max-record-size"),
+                ("storage-engine.write-block-size", "write-block-size"),
+                ("write-block-size", "write-block-size"),
+            ):
+                if int(info.get(field, "0") or 0) > 0:
+                    sizes.append(int(info[field]))
+                    source = name
+                    break
+        max_record = min(sizes) if sizes else _DEFAULT_MAX_RECORD_SIZE
+        if c.segment_size is not None:
+            if c.segment_size + _ROW_OVERHEAD > max_record:
+                raise ConfigError(
+                    f"aerospike tier {self.name!r}: segment_size {c.segment_size} does not fit the "
+                    f"namespace's max-record-size {max_record} with record overhead; lower segment_size"
+                )
+            segment, source = c.segment_size, "override"
+        else:
+            segment = max_record - c.record_size_margin
+            if segment < 1024:
+                raise ConfigError(
+                    f"aerospike tier {self.name!r}: record_size_margin {c.record_size_margin} leaves "
+                    f"{segment} bytes of the namespace's max-record-size {max_record}; lower record_size_margin"
+                )
+        self._check_ttl(infos)
+        limits = RecordLimits(max_record_size=max_record, segment_size=segment, source=source)
+        log.info(
+            "aerospike tier %r: max-record-size %d (%s), segments of %d bytes",
+            self.name,
+            max_record,
+            source,
+            segment,
+        )
+        return limits
+
+    def _check_ttl(self, infos: list[dict[str, str]]) -> None:
+        c = self.config
+        for info in infos:
+            nsup = int(info.get("nsup-period", "0") or 0)
+            allow = info.get("allow-ttl-without-nsup", "false") == "true"
+            default_ttl = int(info.get("default-ttl", "0") or 0)
+            uses_ttl = c.ttl_s > 0 or (c.ttl_s == 0 and default_ttl > 0)
+            if uses_ttl and nsup == 0 and not allow:
+                raise ConfigError(
+                    f"aerospike tier {self.name!r}: ttl_s={c.ttl_s} needs nsup-period > 0 on namespace "
+                    f"{c.namespace!r} (the server refuses TTL writes while nsup is off); enable nsup or set ttl_s: -1"
+                )
+            if not uses_ttl or nsup == 0:
+                log.warning(
+                    "aerospike tier %r: records in %r never expire: orphan segments of crashed writers "
+                    "are never reclaimed and the namespace cannot evict them",
+                    self.name,
+                    c.namespace,
+                )
+                return
+
+    def _relearn_limits(self) -> None:
+        with self._lock:
+            client = self._client
+        if client is None:
+            return
+        try:
+            limits = self._learn_limits(client)
+        except (TransientError, ConfigError) as e:
+            log.debug("aerospike tier %r: cannot re-read limits: %s", self.name, e)
+            return
+        with self._lock:
+            self._limits = limits
+
+    # -- keys ----------------------------------------------------------------------
+
+    def _akey(self, key: bytes) -> tuple[str, str, bytearray]:
+        # NOTE: a bytearray, never bytes: the Python client hashes a ``bytes`` key
+        # as a C string (type STRING, cut at the first NUL byte), so random
+        # 16-byte keys would collide; a bytearray is hashed whole as a BLOB key.
+        return (self.config.namespace, self.config.set_name, bytearray(key))
+
+    # -- reads ---------------------------------------------------------------------
+
+    def _read_rows(
+        self,
+        client: Any,
+        op: str,
+        keys: list[bytes],
+        bins: list[str] | None,
+        policy: dict[str, Any],
+    ) -> list[tuple[int, Any]]:
+        """Batch-read ``keys`` (chunks of ``max_batch_keys``); per key ``(result, record)``."""
+        out: list[tuple[int, Any]] = []
+        step = self.config.max_batch_keys
+        for start in range(0, len(keys), step):
+            out += self._batch_read(client, op, keys[start : start + step], bins, policy)
+        return out
+
+    def _batch_read(
+        self,
+        client: Any,
+        op: str,
+        keys: list[bytes],
+        bins: list[str] | None,
+        policy: dict[str, Any],
+    ) -> list[tuple[int, Any]]:
+        akeys = [self._akey(k) for k in keys]
+        if bins is None:
+            return self._round_trip(op, lambda: self._rows(client.batch_read(akeys, policy=policy)))
+        return self._round_trip(
+            op, lambda: self._rows(client.batch_read(akeys, bins, policy=policy))
+        )
+
+    def _contains(self, client: Any, keys: list[bytes]) -> list[bool]:
+        found = []
+        for code, _ in self._read_rows(client, "contains", keys, [], self._exists_policy):
+            if code not in (OK, NOT_FOUND):
+                self._row_failed(code)
+            found.append(code == OK)
+        return found
+
+    def _get(self, client: Any, keys: list[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        manifests: list[tuple[int, Manifest, int]] = []
+        broken: list[tuple[bytes, int, Manifest | None]] = []
+        for i, (code, record) in enumerate(
+            self._read_rows(client, "get", keys, None, self._read_policy)
+        ):
+            if code == NOT_FOUND:
+                continue
+            if code != OK:
+                self._row_failed(code)
+                continue
+            _, meta, bins = record
+            bins = bins or {}
+            gen = int(meta.get("gen", 0)) if meta else 0
+            if BIN_BLOCK in bins:
+                out[i] = bytes(bins[BIN_BLOCK])
+            elif BIN_MANIFEST in bins:
+                try:
+                    manifests.append((i, Manifest.decode(bins[BIN_MANIFEST]), gen))
+                except ManifestError as e:
+                    log.warning("aerospike tier %r: bad manifest (%s); deleting it", self.name, e)
+                    broken.append((keys[i], gen, None))
+            else:
+                broken.append((keys[i], gen, None))
+        if manifests:
+            self._read_segments(client, keys, manifests, out, broken)
+        if broken:
+            self._cleanup_broken(client, broken)
+        if self.config.recency == "touch":
+            self._touch_hits(client, keys, out, manifests)
+        return out
+
+    def _read_segments(
+        self,
+        client: Any,
+        keys: list[bytes],
+        manifests: list[tuple[int, Manifest, int]],
+        out: list[bytes | None],
+        broken: list[tuple[bytes, int, Manifest | None]],
+    ) -> None:
+        """Read the segments of every manifest, as few batches as ``max_batch_bytes`` allows."""
+        groups: list[list[tuple[int, Manifest, int]]] = [[]]
+        size = rows = 0
+        for entry in manifests:
+            m = entry[1]
+            if groups[-1] and (
+                size + m.length > self.config.max_batch_bytes
+                or rows + m.n_segments > self.config.max_batch_keys
+            ):
+                groups.append([])
+                size = rows = 0
+            groups[-1].append(entry)
+            size += m.length
+            rows += m.n_segments
+        for group in groups:
+            seg_keys = [k for i, m, _ in group for k in m.segment_keys(keys[i])]
+            results = self._read_rows(
+                client, "get_segments", seg_keys, [BIN_SEGMENT], self._read_policy
+            )
+            pos = 0
+            for i, m, gen in group:
+                part_rows = results[pos : pos + m.n_segments]
+                pos += m.n_segments
+                parts: list[bytes] = []
+                missing = failed = False
+                for code, record in part_rows:
+                    if code == OK and record[2] and BIN_SEGMENT in record[2]:
+                        parts.append(bytes(record[2][BIN_SEGMENT]))
+                    elif code in (OK, NOT_FOUND):
+                        missing = True
+                    else:
+                        self._row_failed(code)
+                        failed = True
+                if failed:
+                    continue  # a transient row failure: a miss, but the manifest may be fine
+                block = None if missing else m.assemble(parts)
+                if block is None:
+                    log.warning(
+                        "aerospike tier %r: manifest with %s segments; deleting it",
+                        self.name,
+                        "missing" if missing else "wrong",
+                    )
+                    broken.append((keys[i], gen, m))
+                    continue
+                out[i] = block
+                self._stats.segmented("get")
+
+    def _cleanup_broken(
+        self, client: Any, broken: list[tuple[bytes, int, Manifest | None]]
+    ) -> None:
+        """Delete broken manifests (only if unchanged since read) and the segments they name.
+
+        Best effort: a failure is logged and counted, never raised (the read is already answered).
+        """
+        records = []
+        for key, gen, m in broken:
+            self._stats.broken_manifest()
+            records.append(self._remove_record(key, gen))
+            if m is not None:
+                records += [self._remove_record(k) for k in m.segment_keys(key)]
+        try:
+            self._write_batch(client, "cleanup", records)
+        except TransientError as e:
+            self._stats.failure("row")
+            log.debug("aerospike tier %r: cleanup failed: %s", self.name, e)
+
+    def _touch_hits(
+        self,
+        client: Any,
+        keys: list[bytes],
+        out: list[bytes | None],
+        manifests: list[tuple[int, Manifest, int]],
+    ) -> None:
+        """Explicit recency refresh (``recency: touch``): one batch touch of hit records. Best effort."""
+        touch = [keys[i] for i, block in enumerate(out) if block is not None]
+        touch += [k for i, m, _ in manifests if out[i] is not None for k in m.segment_keys(keys[i])]
+        if not touch:
+            return
+        akeys = [self._akey(k) for k in touch]
+        try:
+            self._round_trip(
+                "touch",
+                lambda: client.batch_operate(
+                    akeys,
+                    [as_ops.touch()],
+                    policy_batch=self._write_policy,
+                    policy_batch_write={"ttl": self._ttl},
+                ),
+            )
+        except (TransientError, ConfigError) as e:
+            self._stats.failure("row")
+            log.debug("aerospike tier %r: touch failed: %s", self.name, e)
+
+    # -- writes ----------------------------------------------------------------------
+
+    def _write_batch(self, client: Any, op: str, records: list[tuple[Any, int]]) -> list[int]:
+        """``batch_write`` of ``(record, payload bytes)`` pairs, in chunks bounded by
+        ``max_batch_bytes`` and ``max_batch_keys`` (the server drops requests over 128 MiB);
+        the result code of every record."""
+        codes: list[int] = []
+        chunk: list[Any] = []
+        size = 0
+        limit, max_rows = self.config.max_batch_bytes, self.config.max_batch_keys
+
+        def flush() -> None:
+            batch = BatchRecords(list(chunk))
+            rows = self._round_trip(
+                op, lambda: self._rows(client.batch_write(batch, policy_batch=self._write_policy))
+            )
+            codes.extend(code for code, _ in rows)
+
+        for rec, payload in records:
+            rec_size = _ROW_OVERHEAD + payload
+            if chunk and (size + rec_size > limit or len(chunk) >= max_rows):
+                flush()
+                chunk, size = [], 0
+            chunk.append(rec)
+            size += rec_size
+        if chunk:
+            flush()
+        return codes
+
+    def _write_record(self, row: _Row) -> tuple[Any, int]:
+        policy = self._create_row if row.create_only else self._replace_row
+        return Write(self._akey(row.key), [as_ops.write(row.bin, row.data)], policy=policy), len(
+            row.data
+        )
+
+    def _remove_record(self, key: bytes, generation: int | None = None) -> tuple[Any, int]:
+        if generation is None:
+            return Remove(self._akey(key)), 0
+        return Remove(
+            self._akey(key), policy={"gen": aerospike.POLICY_GEN_EQ, "generation": generation}
+        ), 0
+
+    def _put(self, client: Any, items: list[tuple[bytes, bytes]]) -> list[bool]:
+        limits = self._limits
+        assert limits is not None
+        held = [False] * len(items)
+        dropped: set[int] = set()
+        too_big = False
+        segmented: dict[int, Manifest] = {}
+        rows: list[_Row] = []
+        for i, (key, block) in enumerate(items):
+            if len(block) <= limits.segment_size:
+                rows.append(_Row(i, key, BIN_BLOCK, block, create_only=True))
+            else:
+                m = Manifest.for_block(block, limits.segment_size)
+                segmented[i] = m
+                for seg_key, part in zip(m.segment_keys(key), m.split(block), strict=True):
+                    rows.append(_Row(i, seg_key, BIN_SEGMENT, part, create_only=False))
+
+        # Phase 1: single records and segments.
+        codes = self._write_batch(client, "put", [self._write_record(r) for r in rows])
+        written: dict[int, list[bytes]] = {i: [] for i in segmented}
+        segments_ok = dict.fromkeys(segmented, True)
+        for row, code in zip(rows, codes, strict=True):
+            if code == OK or (code == EXISTS and row.bin == BIN_BLOCK):
+                if row.bin == BIN_BLOCK:
+                    held[row.index] = True
+                else:
+                    written[row.index].append(row.key)
+                continue
+            if row.bin == BIN_SEGMENT:
+                segments_ok[row.index] = False
+            if code == STOP_WRITES:
+                dropped.add(row.index)
+            elif code == TOO_BIG:
+                too_big = True
+            else:
+                self._row_failed(code)
+
+        # Phase 2: the manifests of blocks whose segments all landed (the commit point).
+        orphans = [k for i, ok in segments_ok.items() if not ok for k in written[i]]
+        commit = [i for i, ok in segments_ok.items() if ok]
+        if commit:
+            mrows = [
+                _Row(i, items[i][0], BIN_MANIFEST, segmented[i].encode(), create_only=True)
+                for i in commit
+            ]
+            # NOTE: if this call fails as a whole the manifests are in doubt: the
+            # segments are left to their TTL rather than deleted under a manifest
+            # that may have landed.
+            mcodes = self._write_batch(
+                client, "put_manifests", [self._write_record(r) for r in mrows]
+            )
+            raced = []
+            for row, code in zip(mrows, mcodes, strict=True):
+                if code == OK:
+                    held[row.index] = True
+                    self._stats.segmented("put")
+                elif code == EXISTS:
+                    held[row.index] = True
+                    raced.append(row.index)
+                elif code == STOP_WRITES:
+                    dropped.add(row.index)
+                    orphans += written[row.index]
+                elif code == TOO_BIG:
+                    too_big = True
+                    orphans += written[row.index]
+                else:
+                    self._row_failed(code)  # in doubt: leave the segments to their TTL
+            if raced:
+                orphans += self._lost_races(client, items, segmented, written, raced)
+        if orphans:
+            self._remove_orphans(client, orphans)
+        if dropped:
+            self._stats.stop_writes_drop(len(dropped))
+        if too_big:
+            self._relearn_limits()
+            raise error_for(TOO_BIG, "record too big", namespace=self.config.namespace)
+        return held
+
+    def _lost_races(
+        self,
+        client: Any,
+        items: list[tuple[bytes, bytes]],
+        segmented: dict[int, Manifest],
+        written: dict[int, list[bytes]],
+        raced: list[int],
+    ) -> list[bytes]:
+        """Segments of writes whose manifest lost to another writer's (another nonce) — safe to delete.
+
+        A manifest that carries our own nonce is ours (a retried, in-doubt
+        write that had landed): its segments stay.
+        """
+        try:
+            rows = self._read_rows(
+                client,
+                "put_manifests",
+                [items[i][0] for i in raced],
+                [BIN_MANIFEST],
+                self._exists_policy,
+            )
+        except TransientError as e:
+            log.debug("aerospike tier %r: cannot check raced manifests: %s", self.name, e)
+            return []
+        lost: list[bytes] = []
+        for i, (code, record) in zip(raced, rows, strict=True):
+            if code != OK:
+                continue  # gone again, or unknown: leave our segments to their TTL
+            bins = record[2] or {}
+            raw = bins.get(BIN_MANIFEST)
+            try:
+                theirs = Manifest.decode(raw) if raw is not None else None
+            except ManifestError:
+                theirs = None
+            if theirs is None or theirs.nonce != segmented[i].nonce:
+                lost += written[i]
+        return lost
+
+    def _remove_orphans(self, client: Any, keys: list[bytes]) -> None:
+        """Delete segment records no manifest will name. Best effort; TTL reclaims what fails."""
+        try:
+            codes = self._write_batch(client, "cleanup", [self._remove_record(k) for k in keys])
+        except (TransientError, ConfigError) as e:
+            log.debug("aerospike tier %r: orphan cleanup failed: %s", self.name, e)
+            return
+        self._stats.orphan_cleanup(sum(1 for c in codes if c == OK))
+
+    # -- delete --------------------------------------------------------------------
+
+    def _delete(self, client: Any, keys: list[bytes]) -> int:
+        records: list[tuple[Any, int]] = []
+        is_primary: list[bool] = []
+        rows = self._read_rows(client, "delete", keys, [BIN_MANIFEST], self._exists_policy)
+        for key, (code, record) in zip(keys, rows, strict=True):
+            if code == NOT_FOUND:
+                continue
+            if code != OK:
+                self._row_failed(code)
+                continue
+            records.append(self._remove_record(key))
+            is_primary.append(True)
+            raw = (record[2] or {}).get(BIN_MANIFEST)
+            if raw is None:
+                continue
+            try:
+                segment_keys = Manifest.decode(raw).segment_keys(key)
+            except ManifestError as e:
+                log.debug("aerospike tier %r: deleting a bad manifest (%s)", self.name, e)
+                continue
+            records += [self._remove_record(k) for k in segment_keys]
+            is_primary += [False] * len(segment_keys)
+        if not records:
+            return 0
+        removed = 0
+        for primary, code in zip(
+            is_primary, self._write_batch(client, "delete", records), strict=True
+        ):
+            if code == OK:
+                removed += primary
+            elif code != NOT_FOUND:
+                self._row_failed(code)
+        return removed
