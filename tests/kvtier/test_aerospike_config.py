@@ -1,0 +1,138 @@
+"""AerospikeTierConfig validation and the record layout (manifest format), without a server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from kvtier.tiers.aerospike_config import AerospikeHost, AerospikeTierConfig
+from kvtier.tiers.aerospike_layout import HEAD_BYTES, Manifest, ManifestError, segment_key
+
+
+def test_defaults() -> None:
+    c = AerospikeTierConfig()
+    assert c.type == "aerospike"
+    assert c.namespace == "kvcache" and c.set_name == "kvblocks"
+    assert c.host_list() == [("127.0.0.1", 3000)]
+    assert c.segment_size is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ("db1", ("db1", 3000)),
+        ("db1:3100", ("db1", 3100)),
+        ("[::1]:3200", ("::1", 3200)),
+        ("[fe80::1]", ("fe80::1", 3000)),
+        ({"host": "db2", "port": 4000}, ("db2", 4000)),
+    ],
+)
+def test_hosts_accept_strings_and_objects(spec: object, want: tuple[str, int]) -> None:
+    c = AerospikeTierConfig(hosts=[spec])  # type: ignore[list-item]
+    assert c.host_list() == [want]
+
+
+@pytest.mark.parametrize(
+    "spec", ["", "db:", "db:abc", "::1:3000", "[::1", "db:0", "db:70000", ":3000"]
+)
+def test_bad_hosts_are_rejected(spec: str) -> None:
+    with pytest.raises(ValidationError):
+        AerospikeTierConfig(hosts=[spec])  # type: ignore[list-item]
+
+
+def test_host_str_round_trips() -> None:
+    assert str(AerospikeHost(host="::1", port=3000)) == "[::1]:3000"
+    assert str(AerospikeHost(host="db", port=3001)) == "db:3001"
+
+
+def test_byte_sizes_accept_units() -> None:
+    c = AerospikeTierConfig(
+        segment_size="512KiB", record_size_margin="8KiB", max_batch_bytes="16MiB"
+    )  # type: ignore[arg-type]
+    assert c.segment_size == 512 * 1024
+    assert c.record_size_margin == 8192
+    assert c.max_batch_bytes == 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"segment_size": "12 parsecs"},
+        {"segment_size": "16MiB"},  # over the server's 8 MiB ceiling
+        {"segment_size": 100},
+        {"max_batch_bytes": "100MiB"},  # must stay well under the 128 MiB request limit
+        {"ttl_s": -2},
+        {"ttl_s": 11 * 365 * 24 * 3600},
+        {"recency": "sometimes"},
+        {"read_touch_ttl_percent": 0},
+        {"breaker_threshold": 0},
+        {"breaker_cooldown_s": 0},
+        {"max_retries": -1},
+        {"retry_backoff_ms": 50, "retry_backoff_cap_ms": 10},
+        {"namespace": ""},
+        {"unknown_key": 1},
+        {"type": "disk"},
+    ],
+)
+def test_bad_values_are_rejected(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        AerospikeTierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_unit_error_names_the_value() -> None:
+    with pytest.raises(ValidationError, match="12 parsecs"):
+        AerospikeTierConfig(segment_size="12 parsecs")  # type: ignore[arg-type]
+
+
+def test_manifest_round_trip_and_split() -> None:
+    block = os.urandom(10_000)
+    m = Manifest.for_block(block, 3000)
+    assert m.n_segments == 4
+    assert len(m.nonce) == 8
+    parts = m.split(block)
+    assert [len(p) for p in parts] == [3000, 3000, 3000, 1000]
+    decoded = Manifest.decode(m.encode())
+    assert decoded == m
+    assert decoded.assemble(parts) == block
+    assert decoded.head == block[:HEAD_BYTES]
+
+
+def test_assemble_rejects_wrong_segments() -> None:
+    block = os.urandom(7000)
+    m = Manifest.for_block(block, 3000)
+    parts = m.split(block)
+    assert m.assemble(parts[:2]) is None  # missing
+    assert m.assemble([parts[0], parts[1], parts[2] + b"x"]) is None  # wrong length
+    flipped = bytearray(parts[1])
+    flipped[5] ^= 1
+    assert m.assemble([parts[0], bytes(flipped), parts[2]]) is None  # checksum
+    other = Manifest.for_block(os.urandom(7000), 3000)
+    assert other.assemble(parts) is None
+
+
+def test_each_write_gets_its_own_segment_keys() -> None:
+    block = os.urandom(5000)
+    a, b = Manifest.for_block(block, 1000), Manifest.for_block(block, 1000)
+    key = os.urandom(16)
+    assert a.nonce != b.nonce
+    assert not set(a.segment_keys(key)) & set(b.segment_keys(key))
+    assert segment_key(key, a.nonce, 1) == a.segment_keys(key)[1]
+    assert all(len(k) == 28 for k in a.segment_keys(key))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b[:10],
+        lambda b: b"XXXX" + b[4:],
+        lambda b: b[:4] + b"\x09" + b[5:],  # version
+        lambda b: b[:8] + (99).to_bytes(4, "little") + b[12:],  # segment count
+        lambda b: b + b"extra",
+    ],
+)
+def test_decode_rejects_bad_manifests(mutate) -> None:
+    raw = Manifest.for_block(os.urandom(5000), 1000).encode()
+    with pytest.raises(ManifestError):
+        Manifest.decode(mutate(raw))

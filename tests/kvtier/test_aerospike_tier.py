@@ -1,0 +1,400 @@
+"""The Aerospike tier against the protocol-level test server, through the official client:
+layout, round trips, concurrency, crashes, recency."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import aerospike
+import pytest
+import torch
+
+from kvtier.block import activation_like_kv, encode_block, verify_block
+from kvtier.errors import TransientError
+from kvtier.metrics import StoreMetrics
+from kvtier.tiers.aerospike import AerospikeTier
+from kvtier.tiers.aerospike_config import AerospikeTierConfig
+from kvtier.tiers.aerospike_layout import BIN_SEGMENT, Manifest
+from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
+
+KiB, MiB = 1024, 1024 * 1024
+NS, SET = "kvcache", "kvblocks"
+
+
+@pytest.fixture
+def server() -> Iterator[AerospikeTestServer]:
+    with AerospikeTestServer() as srv:
+        yield srv
+
+
+def make_tier(srv: AerospikeTestServer, **overrides: object) -> AerospikeTier:
+    cfg = AerospikeTierConfig(hosts=[srv.address], **overrides)  # type: ignore[arg-type]
+    return AerospikeTier(cfg)
+
+
+def digest(key: bytes) -> bytes:
+    return bytes(aerospike.calc_digest(NS, SET, bytearray(key)))
+
+
+def rand_bytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def record_count(srv: AerospikeTestServer) -> int:
+    return len(srv.digests(NS))
+
+
+@pytest.mark.parametrize("cap", [128 * KiB, 1 * MiB, 8 * MiB])
+def test_round_trip_sizes_under_record_caps(cap: int) -> None:
+    with AerospikeTestServer([NamespaceConfig(max_record_size=cap)]) as srv:
+        tier = make_tier(srv)
+        try:
+            limits = tier.limits
+            assert limits is not None and limits.max_record_size == cap
+            seg = limits.segment_size
+            sizes = [4 * KiB, seg - 1, seg, seg + 1, 2 * seg + 7, 3 * MiB]
+            items = [(os.urandom(16), rand_bytes(n, n)) for n in sizes]
+            assert tier.put(items) == [True] * len(items)
+            expected_records = sum(1 if n <= seg else -(-n // seg) + 1 for n in sizes)
+            assert record_count(srv) == expected_records
+            got = tier.get([k for k, _ in items])
+            assert [g == b for g, (_, b) in zip(got, items, strict=True)] == [True] * len(items)
+            assert tier.stats().segmented_reads == sum(n > seg for n in sizes)
+        finally:
+            tier.close()
+
+
+@pytest.mark.parametrize("cap", [128 * KiB, 8 * MiB])
+def test_32mib_encoded_block_round_trips(cap: int) -> None:
+    # [layers, 2, tokens, kv_heads, head_dim] bf16: 32 * 2 * 256 * 8 * 128 * 2 B = 32 MiB
+    kv = activation_like_kv((32, 2, 256, 8, 128), torch.bfloat16, seed=cap)
+    block = encode_block(kv)
+    assert len(block) > 32 * MiB
+    key = os.urandom(16)
+    with AerospikeTestServer([NamespaceConfig(max_record_size=cap)]) as srv:
+        tier = make_tier(srv)
+        try:
+            assert tier.put([(key, block)]) == [True]
+            srv.reset_counts()
+            (got,) = tier.get([key])
+            assert got == block
+            verify_block(got)
+            # One read of the chunk key (the client sends a one-key batch as a
+            # single-record read), then every segment in ONE batch.
+            assert srv.message_count() == 2
+            assert srv.counts["batch_rows"] == -(-len(block) // tier.limits.segment_size)  # type: ignore[union-attr]
+            assert srv.largest_message < 128 * MiB
+        finally:
+            tier.close()
+
+
+def test_small_blocks_are_one_record_and_one_round_trip(server: AerospikeTestServer) -> None:
+    tier = make_tier(server)
+    items = [(os.urandom(16), rand_bytes(8 * KiB, i)) for i in range(20)]
+    server.reset_counts()
+    assert tier.put(items) == [True] * 20
+    assert server.message_count() == 1
+    server.reset_counts()
+    assert tier.get([k for k, _ in items]) == [b for _, b in items]
+    assert server.message_count() == 1
+    assert record_count(server) == 20
+    tier.close()
+
+
+def test_keys_differing_after_a_nul_byte_are_distinct(server: AerospikeTestServer) -> None:
+    # The Python client hashes a ``bytes`` key as a C string; the tier must not.
+    tier = make_tier(server)
+    keys = [b"\x00" * 15 + bytes([i]) for i in range(4)] + [
+        b"ab\x00" + bytes(13),
+        b"ab\x00" + b"\x01" * 13,
+    ]
+    items = [(k, rand_bytes(1000, i)) for i, k in enumerate(keys)]
+    assert tier.put(items) == [True] * len(items)
+    assert record_count(server) == len(keys)
+    assert tier.get(keys) == [b for _, b in items]
+    tier.close()
+
+
+def test_contains_and_prefix_length_take_one_round_trip(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB)
+    keys = [os.urandom(16) for _ in range(60)]
+    present = keys[:25] + keys[26:40]
+    tier.put(
+        [(k, rand_bytes(40 * KiB if i % 5 == 0 else 2 * KiB, i)) for i, k in enumerate(present)]
+    )
+    server.reset_counts()
+    assert tier.contains(keys) == [k in present for k in keys]
+    assert server.message_count() == 1
+    server.reset_counts()
+    assert tier.prefix_length(keys) == 25
+    assert server.message_count() == 1
+    assert server.counts["batch"] == 1 and server.counts["batch_rows"] == 60
+    before = tier.stats().round_trips
+    tier.get(keys)
+    assert tier.stats().round_trips - before == 2  # chunk keys, then all segments
+    tier.close()
+
+
+def test_delete_removes_blocks_and_their_segments(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB)
+    items = [(os.urandom(16), rand_bytes(n, n)) for n in (1000, 100 * KiB, 50 * KiB)]
+    tier.put(items)
+    assert record_count(server) > 3
+    assert tier.delete([k for k, _ in items] + [os.urandom(16)]) == 3
+    assert record_count(server) == 0
+    assert tier.get([k for k, _ in items]) == [None, None, None]
+    assert tier.delete([items[0][0]]) == 0
+    tier.close()
+
+
+def test_rewriting_a_key_is_harmless(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB)
+    key, block = os.urandom(16), rand_bytes(70 * KiB, 1)
+    assert tier.put([(key, block)]) == [True]
+    records = record_count(server)
+    assert tier.put([(key, block)]) == [True]  # the second writer's segments are cleaned up
+    assert record_count(server) == records
+    assert tier.get([key]) == [block]
+    tier.close()
+
+
+def test_racing_writers_leave_one_complete_block(server: AerospikeTestServer) -> None:
+    """Writer A is held between its segments and its manifest while writer B writes the
+    same chunk with *different* bytes: the result is exactly one writer's block, never a
+    mix, and the loser's segments are deleted."""
+    a, b = make_tier(server, segment_size=8 * KiB), make_tier(server, segment_size=8 * KiB)
+    key = os.urandom(16)
+    block_a, block_b = rand_bytes(50 * KiB, 1), rand_bytes(50 * KiB, 2)
+    paused, resume = threading.Event(), threading.Event()
+    real = a._write_batch
+
+    def held(client, op, records):  # type: ignore[no-untyped-def]
+        if op == "put_manifests":
+            paused.set()
+            assert resume.wait(10)
+        return real(client, op, records)
+
+    a._write_batch = held  # type: ignore[method-assign]
+    result: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: result.append(a.put([(key, block_a)])))
+    thread.start()
+    assert paused.wait(10)
+    assert b.put([(key, block_b)]) == [True]
+    resume.set()
+    thread.join(10)
+    assert result == [[True]]
+    reader = make_tier(server)
+    assert reader.get([key]) == [block_b]
+    n_segments = -(-len(block_b) // (8 * KiB))
+    assert record_count(server) == n_segments + 1
+    assert a.stats().orphan_cleanups == n_segments
+    for t in (a, b, reader):
+        t.close()
+
+
+def test_concurrent_writers_of_the_same_chunks(server: AerospikeTestServer) -> None:
+    tiers = [make_tier(server, segment_size=8 * KiB) for _ in range(3)]
+    items = [(os.urandom(16), rand_bytes(40 * KiB, i)) for i in range(4)]
+    start = threading.Barrier(len(tiers))
+    results: list[list[bool]] = []
+
+    def writer(t: AerospikeTier) -> None:
+        start.wait()
+        results.append(t.put(items))
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in tiers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert results == [[True] * 4] * 3
+    assert tiers[0].get([k for k, _ in items]) == [b for _, b in items]
+    assert record_count(server) == 4 * (5 + 1)  # no orphans left behind
+    for t in tiers:
+        t.close()
+
+
+_DYING_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from kvtier.tiers.aerospike import AerospikeTier
+    from kvtier.tiers.aerospike_config import AerospikeTierConfig
+
+    tier = AerospikeTier(AerospikeTierConfig(hosts=[sys.argv[1]], ttl_s=600, segment_size=16384))
+    real = tier._write_batch
+
+    def write_batch(client, op, records):
+        if op == "put_manifests":  # segments are written: die before the commit point
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(client, op, records)
+
+    tier._write_batch = write_batch
+    tier.put([(bytes.fromhex(sys.argv[2]), os.urandom(int(sys.argv[3])))])
+    """
+)
+
+
+def test_writer_killed_before_its_manifest_leaves_nothing_readable(
+    server: AerospikeTestServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(_DYING_WRITER)
+    key = os.urandom(16)
+    proc = subprocess.run(
+        [sys.executable, str(script), server.address, key.hex(), str(100 * KiB)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    orphans = record_count(server)
+    assert orphans == -(-100 * KiB // 16384)
+    reader = make_tier(server)
+    assert reader.get([key]) == [None]
+    assert reader.contains([key]) == [False]
+    assert reader.prefix_length([key]) == 0
+    server.advance_clock(601)  # the orphans' TTL reclaims them
+    assert record_count(server) == 0
+    reader.close()
+
+
+def test_lost_manifest_write_leaves_nothing_readable(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB, max_retries=1)
+    key = os.urandom(16)
+    server.drop_next(2, skip=1)  # segments land; the manifest write and its retry are dropped
+    with pytest.raises(TransientError):
+        tier.put([(key, rand_bytes(64 * KiB, 3))])
+    assert record_count(server) == 4  # orphan segments, reclaimed by TTL
+    assert tier.get([key]) == [None]
+    assert tier.contains([key]) == [False]
+    tier.close()
+
+
+def test_in_doubt_manifest_retry_keeps_the_block(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB, max_retries=2)
+    key, block = os.urandom(16), rand_bytes(64 * KiB, 4)
+    server.drop_next(1, after_apply=True, skip=1)  # the manifest lands, its reply is lost
+    assert tier.put([(key, block)]) == [True]
+    assert tier.stats().retries == 1
+    assert tier.stats().orphan_cleanups == 0  # our own manifest: segments kept
+    assert tier.get([key]) == [block]
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_manifest_with_bad_segments_is_a_miss_and_cleaned_up(
+    server: AerospikeTestServer, damage: str
+) -> None:
+    tier = make_tier(server, segment_size=16 * KiB)
+    key, block = os.urandom(16), rand_bytes(60 * KiB, 5)
+    tier.put([(key, block)])
+    manifest = Manifest.decode(bytes(server.record(NS, digest(key)).bins["m"][1]))  # type: ignore[union-attr]
+    victim = digest(manifest.segment_keys(key)[2])
+    if damage == "missing":
+        assert server.remove_record(NS, victim)  # as eviction would
+    else:
+        rec = server.record(NS, victim)
+        assert rec is not None
+        particle, value = rec.bins[BIN_SEGMENT]
+        rec.bins[BIN_SEGMENT] = (particle, bytes([value[0] ^ 0xFF]) + value[1:])
+    assert tier.get([key]) == [None]
+    assert tier.stats().broken_manifests == 1
+    assert record_count(server) == 0  # manifest and surviving segments deleted
+    assert tier.put([(key, block)]) == [True]
+    assert tier.get([key]) == [block]
+    tier.close()
+
+
+def test_cleanup_spares_a_manifest_rewritten_since_it_was_read(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB)
+    key = os.urandom(16)
+    tier.put([(key, rand_bytes(60 * KiB, 6))])
+    rec = server.record(NS, digest(key))
+    assert rec is not None
+    stale_generation = rec.generation - 1 if rec.generation > 1 else rec.generation + 1
+    tier._cleanup_broken(tier._client, [(key, stale_generation, None)])
+    assert server.record(NS, digest(key)) is not None
+    tier._cleanup_broken(tier._client, [(key, rec.generation, None)])
+    assert server.record(NS, digest(key)) is None
+    tier.close()
+
+
+def test_reads_refresh_ttl_with_read_touch(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB, ttl_s=1000, read_touch_ttl_percent=80)
+    key = os.urandom(16)
+    tier.put([(key, rand_bytes(40 * KiB, 7))])
+    server.advance_clock(100)  # early in life: no touch
+    tier.get([key])
+    assert server.counts["read_touch"] == 0
+    server.advance_clock(200)  # now within 80% of end of life
+    tier.contains([key])
+    assert server.counts["read_touch"] == 0  # contains never refreshes recency
+    tier.get([key])
+    assert server.counts["read_touch"] == 4  # the manifest and its 3 segments
+    server.advance_clock(900)  # past the original TTL, within the refreshed one
+    assert tier.get([key]) != [None]
+    tier.close()
+
+
+def test_reads_refresh_ttl_with_explicit_touch(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=16 * KiB, ttl_s=1000, recency="touch")
+    keys = [os.urandom(16), os.urandom(16)]
+    tier.put([(keys[0], rand_bytes(40 * KiB, 8)), (keys[1], rand_bytes(1000, 9))])
+    server.advance_clock(800)
+    before = tier.stats().round_trips
+    assert None not in tier.get(keys)
+    assert tier.stats().round_trips - before == 3  # chunk keys, segments, one batch touch
+    assert server.counts["read_touch"] == 0
+    server.advance_clock(900)
+    assert None not in tier.get(keys)
+    tier.close()
+
+
+def test_records_expire_with_their_ttl(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, ttl_s=50, recency="none")
+    key = os.urandom(16)
+    tier.put([(key, b"x" * 100)])
+    server.advance_clock(51)
+    assert tier.get([key]) == [None]
+    tier.close()
+
+
+def test_batches_are_bounded(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, segment_size=32 * KiB, max_batch_bytes="256KiB", max_batch_keys=10)
+    items = [(os.urandom(16), rand_bytes(200 * KiB, i)) for i in range(5)]
+    server.reset_counts()
+    assert tier.put(items) == [True] * 5
+    assert server.largest_message < 300 * KiB
+    assert server.counts["batch"] > 5
+    assert tier.get([k for k, _ in items]) == [b for _, b in items]
+    tier.close()
+
+
+def test_usage_reports_the_set(server: AerospikeTestServer) -> None:
+    tier = make_tier(server, usage_refresh_s=0)
+    assert tier.usage().used_bytes == 0
+    tier.put([(os.urandom(16), b"y" * 10_000) for _ in range(3)])
+    usage = tier.usage()
+    assert usage.used_bytes >= 30_000
+    assert usage.capacity_bytes == NamespaceConfig().data_size
+    tier.close()
+
+
+def test_metrics_count_round_trips() -> None:
+    metrics = StoreMetrics()
+    with AerospikeTestServer() as srv:
+        tier = AerospikeTier(AerospikeTierConfig(hosts=[srv.address], name="fleet"), metrics)
+        key = os.urandom(16)
+        tier.put([(key, b"z" * 100)])
+        tier.get([key])
+        tier.close()
+    value = metrics.registry.get_sample_value
+    assert value("kvtier_aerospike_round_trips_total", {"tier": "fleet", "op": "put"}) == 1
+    assert value("kvtier_aerospike_round_trips_total", {"tier": "fleet", "op": "get"}) == 1
