@@ -1,0 +1,432 @@
+"""The remote tier: a kvtier cache server (``kvtier serve``) as a tier of an engine's store.
+
+One gRPC channel per tier (HTTP/2 multiplexes every call over it), a deadline
+on every call, bounded retries of transient failures, and a circuit breaker
+that makes calls fail fast (:class:`~kvtier.errors.TierUnavailableError`)
+while the server is down, so the store serves from the tiers above and
+recomputes the rest. How gRPC statuses map onto kvtier errors:
+:mod:`kvtier.tiers.remote_errors`.
+
+On first use the tier asks the server's Health for its limits (largest block,
+keys per call, frame size) and checks the protocol version and the token;
+every later call stays within those limits, splitting batches as needed.
+``prefix_length`` is one Lookup call (per ``max_keys_per_call`` keys).
+
+Blocks are not verified here (``verifies_reads = False``): the store verifies
+what a non-verifying tier returns, and deletes a corrupt block.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier.breaker import CircuitBreaker
+from kvtier.errors import TierUnavailableError, TransientError
+from kvtier.retry import ExponentialBackoff, Retry
+from kvtier.server.proto import PROTOCOL_VERSION
+from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.server.proto.frames import FrameError, decode_get_frame, encode_put_frame
+from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options, method
+from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.remote_config import RemoteTierConfig
+from kvtier.tiers.remote_errors import (
+    RemoteAuthError,
+    RemoteProtocolError,
+    RemoteRetryableError,
+    map_rpc_error,
+)
+
+T = TypeVar("T")
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def _read_ca(config: RemoteTierConfig) -> bytes | None:
+    if config.ca_file is None:
+        return None
+    from kvtier.errors import ConfigError
+
+    try:
+        return config.ca_file.read_bytes()
+    except OSError as e:
+        raise ConfigError(
+            f"tiers[{config.name}].ca_file: cannot read {config.ca_file}: {e.strerror or e}"
+        ) from None
+
+
+def open_channel(config: RemoteTierConfig) -> grpc.Channel:
+    """A channel to the server (connects lazily, reconnects by itself)."""
+    options = channel_options(CLIENT_MAX_RECEIVE)
+    if config.server_name:
+        options.append(("grpc.ssl_target_name_override", config.server_name))
+    if config.uses_tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read_ca(config))
+        return grpc.secure_channel(
+            config.address, creds, options=options, compression=grpc.Compression.NoCompression
+        )
+    return grpc.insecure_channel(
+        config.address, options=options, compression=grpc.Compression.NoCompression
+    )
+
+
+class RemoteTier(Tier):
+    """A :class:`Tier` backed by a kvtier cache server.
+
+    Args:
+        config: Address, token, timeouts, retry and breaker settings.
+        env: Where ``token_env`` is read (``os.environ`` by default).
+        breaker: Injected for tests; built from ``config`` if ``None``.
+
+    Raises:
+        ConfigError: the token variable is unset or the CA file unreadable.
+
+    Thread-safe. Network failures raise :class:`~kvtier.errors.TransientError`
+    (:class:`~kvtier.errors.TierUnavailableError` while the breaker is open);
+    a refused token raises :class:`RemoteAuthError` and a protocol mismatch
+    :class:`RemoteProtocolError`, both :class:`~kvtier.errors.ConfigError`.
+    """
+
+    fast = False
+    verifies_reads = False
+
+    def __init__(
+        self,
+        config: RemoteTierConfig,
+        *,
+        env: Mapping[str, str] | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self.name = config.name
+        self.config = config
+        token = config.resolve_token(env)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        self._channel = open_channel(config)
+        ch = self._channel
+        keys_req = pb.KeysRequest.SerializeToString
+        self._lookup = ch.unary_unary(
+            method("Lookup"),
+            request_serializer=keys_req,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        self._exists = ch.unary_unary(
+            method("Exists"),
+            request_serializer=keys_req,
+            response_deserializer=pb.ExistsResponse.FromString,
+        )
+        self._get = ch.unary_stream(
+            method("Get"), request_serializer=keys_req, response_deserializer=_identity
+        )
+        self._put = ch.stream_unary(
+            method("Put"),
+            request_serializer=_identity,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self._delete = ch.unary_unary(
+            method("Delete"),
+            request_serializer=keys_req,
+            response_deserializer=pb.DeleteResponse.FromString,
+        )
+        self._stats = ch.unary_unary(
+            method("Stats"),
+            request_serializer=pb.StatsRequest.SerializeToString,
+            response_deserializer=pb.StatsResponse.FromString,
+        )
+        self._health = ch.unary_unary(
+            method("Health"),
+            request_serializer=pb.HealthRequest.SerializeToString,
+            response_deserializer=pb.HealthResponse.FromString,
+        )
+        self.breaker = (
+            breaker
+            if breaker is not None
+            else CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        )
+        self._retry = Retry(
+            ExponentialBackoff(base=config.retry_backoff_s, cap=config.retry_backoff_cap_s),
+            config.retries,
+            errors=(RemoteRetryableError,),
+        )
+        self._limits: pb.Limits | None = None
+        self._limits_lock = threading.Lock()
+        self._usage = TierUsage(0, None, None)
+        self._usage_at = -float("inf")
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        """Run one logical call: breaker check, retried attempts, breaker verdict."""
+        if not self.breaker.allow():
+            raise TierUnavailableError(
+                f"remote tier {self.name!r}: circuit breaker open "
+                f"({self.breaker.retry_after():.1f} s before the next probe)"
+            )
+
+        def attempt() -> T:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                raise map_rpc_error(e, self.name, op) from None
+
+        try:
+            result = self._retry.call(attempt)
+        except TransientError:
+            self.breaker.record_failure()
+            raise
+        except BaseException:
+            self.breaker.release()
+            raise
+        self.breaker.record_success()
+        return result
+
+    def limits(self) -> pb.Limits:
+        """The server's limits, from its Health answer (asked once, then kept).
+
+        Raises:
+            RemoteAuthError: the server refuses the token, or needs one and none is set.
+            RemoteProtocolError: the server speaks another protocol version.
+        """
+        with self._limits_lock:
+            if self._limits is not None:
+                return self._limits
+        health = self.health()
+        if health.protocol_version != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"remote tier {self.name!r}: server speaks protocol {health.protocol_version}, "
+                f"this client {PROTOCOL_VERSION}"
+            )
+        if not health.tenant:
+            raise RemoteAuthError(
+                f"remote tier {self.name!r}: the server at {self.config.address} needs a token "
+                "(set token_env or token)"
+            )
+        lim = health.limits
+        if not (lim.chunk_size and lim.max_keys_per_call and lim.max_block_size):
+            raise RemoteProtocolError(f"remote tier {self.name!r}: server sent no limits")
+        with self._limits_lock:
+            self._limits = lim
+        return lim
+
+    def health(self) -> pb.HealthResponse:
+        """The server's Health answer (status, version, limits, who we are)."""
+        return self._call(
+            "health",
+            lambda: self._health(
+                pb.HealthRequest(), timeout=self.config.timeout_s, metadata=self._metadata
+            ),
+        )
+
+    def server_stats(self) -> pb.StatsResponse:
+        """The server's Stats answer (every tenant if our role is admin)."""
+        return self._call(
+            "stats",
+            lambda: self._stats(
+                pb.StatsRequest(), timeout=self.config.timeout_s, metadata=self._metadata
+            ),
+        )
+
+    def _batches(self, n: int) -> Iterator[tuple[int, int]]:
+        step = self.limits().max_keys_per_call
+        for start in range(0, n, step):
+            yield start, min(n, start + step)
+
+    # -- the Tier interface ----------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for a, b in self._batches(len(keys)):
+            req = pb.KeysRequest(keys=keys[a:b])
+            resp = self._call(
+                "exists",
+                lambda req=req: self._exists(  # type: ignore[misc]
+                    req, timeout=self.config.timeout_s, metadata=self._metadata
+                ),
+            )
+            if len(resp.present) != b - a:
+                raise RemoteProtocolError(
+                    f"remote tier {self.name!r}: Exists answered {len(resp.present)} of {b - a} keys"
+                )
+            out.extend(resp.present)
+        return out
+
+    def prefix_length(self, keys: Sequence[bytes]) -> int:
+        total = 0
+        for a, b in self._batches(len(keys)):
+            req = pb.KeysRequest(keys=keys[a:b])
+            resp = self._call(
+                "lookup",
+                lambda req=req: self._lookup(  # type: ignore[misc]
+                    req, timeout=self.config.timeout_s, metadata=self._metadata
+                ),
+            )
+            hit = int(resp.prefix_length)
+            if hit > b - a:
+                raise RemoteProtocolError(
+                    f"remote tier {self.name!r}: Lookup answered {hit} for {b - a} keys"
+                )
+            total += hit
+            if hit < b - a:
+                break
+        return total
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        for a, b in self._batches(len(keys)):
+            req = pb.KeysRequest(keys=keys[a:b])
+            blocks = self._call("get", lambda req=req, n=b - a: self._get_once(req, n))  # type: ignore[misc]
+            out[a:b] = blocks
+        return out
+
+    def _get_once(self, req: pb.KeysRequest, n: int) -> list[bytes | None]:
+        """One Get stream, reassembled (a whole attempt: retried from scratch on failure)."""
+        out: list[bytes | None] = [None] * n
+        seen = [False] * n
+        parts: list[memoryview] = []
+        cur, size, got = -1, 0, 0
+        stream = self._get(req, timeout=self.config.transfer_timeout_s, metadata=self._metadata)
+        try:
+            for raw in stream:
+                try:
+                    f = decode_get_frame(raw)
+                except FrameError as e:
+                    raise self._broken(f"malformed GetFrame: {e}") from None
+                if f.index >= n:
+                    raise self._broken(f"frame for key #{f.index} of {n}")
+                if f.offset == 0:
+                    if cur >= 0:
+                        raise self._broken(f"block #{cur} ended after {got} of {size} bytes")
+                    if seen[f.index]:
+                        raise self._broken(f"key #{f.index} answered twice")
+                    seen[f.index] = True
+                    if not f.found:
+                        continue
+                    cur, size, got, parts = f.index, f.size, 0, []
+                elif f.index != cur or f.offset != got or f.size != size:
+                    raise self._broken(f"out-of-order frame for key #{f.index} at {f.offset}")
+                parts.append(f.data)
+                got += len(f.data)
+                if got > size:
+                    raise self._broken(f"block #{cur} is longer than its declared {size} bytes")
+                if got == size:
+                    # NOTE: the one copy of the block on this side: frames -> bytes.
+                    out[cur] = b"".join(parts)
+                    cur, parts = -1, []
+        finally:
+            stream.cancel()  # no-op once finished; frees the call if we stop early
+        if cur >= 0:
+            raise self._broken(f"stream ended inside block #{cur} ({got} of {size} bytes)")
+        if not all(seen):
+            raise self._broken(f"{seen.count(False)} of {n} keys were not answered")
+        return out
+
+    def _broken(self, what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(
+            f"remote tier {self.name!r}: Get stream broke the protocol: {what}"
+        )
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        if not items:
+            return []
+        lim = self.limits()
+        stored = [len(block) <= lim.max_block_size for _, block in items]
+        todo = [i for i, ok in enumerate(stored) if ok]
+        if todo and self.config.skip_existing:
+            present = self.contains([items[i][0] for i in todo])
+            todo = [i for i, p in zip(todo, present, strict=True) if not p]
+        batch: list[int] = []
+        batch_bytes = 0
+        for i in todo:
+            size = len(items[i][1])
+            if batch and (
+                len(batch) >= lim.max_keys_per_call
+                or batch_bytes + size > self.config.put_batch_bytes
+            ):
+                self._put_batch(items, batch, lim.chunk_size)
+                batch, batch_bytes = [], 0
+            batch.append(i)
+            batch_bytes += size
+        if batch:
+            self._put_batch(items, batch, lim.chunk_size)
+        return stored
+
+    def _put_batch(
+        self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int
+    ) -> None:
+        def frames() -> Iterator[bytes]:
+            for i in batch:
+                key, block = items[i]
+                view = memoryview(block)
+                yield encode_put_frame(key, len(block), view[:chunk])
+                for off in range(chunk, len(block), chunk):
+                    yield encode_put_frame(data=view[off : off + chunk])
+
+        resp = self._call(
+            "put",
+            lambda: self._put(
+                frames(), timeout=self.config.transfer_timeout_s, metadata=self._metadata
+            ),
+        )
+        if resp.blocks != len(batch):
+            raise RemoteProtocolError(
+                f"remote tier {self.name!r}: Put stored {resp.blocks} of {len(batch)} blocks"
+            )
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        for a, b in self._batches(len(keys)):
+            req = pb.KeysRequest(keys=keys[a:b])
+            resp = self._call(
+                "delete",
+                lambda req=req: self._delete(  # type: ignore[misc]
+                    req, timeout=self.config.timeout_s, metadata=self._metadata
+                ),
+            )
+            removed += int(resp.deleted)
+        return removed
+
+    def usage(self) -> TierUsage:
+        """The server's usage: bytes and blocks of its largest tier; capacity unknown (``None``).
+
+        Reuses the last answer for ``usage_refresh_s`` and never raises: a
+        server that cannot be asked leaves the last known figures (this runs
+        during metrics scrapes).
+        """
+        now = time.monotonic()
+        if now - self._usage_at < self.config.usage_refresh_s:
+            return self._usage
+        self._usage_at = now
+        try:
+            stats = self.server_stats()
+        except (TransientError, RemoteAuthError, RemoteProtocolError):
+            return self._usage
+        if stats.tiers:
+            largest = max(stats.tiers, key=lambda t: t.used_bytes)
+            self._usage = TierUsage(int(largest.used_bytes), None, int(largest.blocks))
+        return self._usage
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def describe(self) -> dict[str, Any]:
+        """Address, breaker state and learned limits (for logs and the CLI)."""
+        lim = self._limits
+        return {
+            "address": self.config.address,
+            "tls": self.config.uses_tls,
+            "breaker": self.breaker.state.value,
+            "limits": None
+            if lim is None
+            else {
+                "max_block_size": lim.max_block_size,
+                "max_keys_per_call": lim.max_keys_per_call,
+                "chunk_size": lim.chunk_size,
+            },
+        }

@@ -1,0 +1,192 @@
+"""The cache server process: a store, the gRPC service, the HTTP frontend, and their lifecycle.
+
+::
+
+    CacheServer.start()   store built · stats history sampling · gRPC bound · HTTP bound · ready
+    CacheServer.stop()    not ready · new calls refused · calls in flight finish (grace) ·
+                          store closed (background writes flushed) · HTTP closed
+
+``kvtier serve`` runs one until SIGTERM or SIGINT, then stops it gracefully:
+a Put stream being received when the signal arrives is finished and stored
+(within ``shutdown_grace_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from kvtier.config import KvtierConfig
+from kvtier.errors import ConfigError
+from kvtier.factory import build_store
+from kvtier.metrics import StoreMetrics
+from kvtier.server.config import ServerConfig
+from kvtier.server.http import HttpFrontend
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.proto.transport import channel_options
+from kvtier.server.service import KvCacheService
+from kvtier.server.stats import History, StatsSource, dashboard_json
+from kvtier.server.tenants import TenantDirectory
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: Any, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"server.tls.{what}: cannot read {path}: {e.strerror or e}") from None
+
+
+class CacheServer:
+    """One kvtier cache server.
+
+    Args:
+        config: The ``server:`` section.
+        store_config: The store it serves (tiers, write policy).
+    """
+
+    def __init__(self, config: ServerConfig, store_config: KvtierConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.store_metrics = StoreMetrics(self.registry)
+        self.metrics = ServerMetrics(self.registry)
+        self.directory = TenantDirectory(config)
+        self.store = build_store(store_config, self.store_metrics)
+        self.history = History(StatsSource(self.registry, self.store), config.history_s)
+        self.service = KvCacheService(
+            self.store, self.directory, config, self.metrics, self.history
+        )
+        self._grpc: grpc.Server | None = None
+        self._http: HttpFrontend | None = None
+        self._ready = False
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self.port = 0
+        self.http_port: int | None = None
+
+    @property
+    def ready(self) -> bool:
+        """True from the end of :meth:`start` until :meth:`stop` begins."""
+        return self._ready and not self.service.draining
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the gRPC service (after :meth:`start`)."""
+        host = self.config.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{self.port}"
+
+    def start(self) -> CacheServer:
+        """Bind and start serving.
+
+        Raises:
+            ConfigError: a port cannot be bound or the TLS files cannot be read.
+        """
+        c = self.config
+        try:
+            self.history.start()
+            server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=c.threads, thread_name_prefix="kvtier-grpc"),
+                options=channel_options(c.max_message_size),
+                maximum_concurrent_rpcs=c.max_concurrent_rpcs,
+            )
+            server.add_generic_rpc_handlers((self.service.generic_handler(),))
+            bind = f"[{c.host}]:{c.port}" if ":" in c.host else f"{c.host}:{c.port}"
+            try:
+                if c.tls is not None:
+                    creds = grpc.ssl_server_credentials(
+                        [(_read(c.tls.key_file, "key_file"), _read(c.tls.cert_file, "cert_file"))]
+                    )
+                    self.port = server.add_secure_port(bind, creds)
+                else:
+                    self.port = server.add_insecure_port(bind)
+            except RuntimeError as e:
+                raise ConfigError(f"server: cannot bind gRPC to {bind}: {e}") from None
+            if not self.port:
+                raise ConfigError(f"server: cannot bind gRPC to {bind}")
+            server.start()
+            self._grpc = server
+            if c.http_port is not None:
+                http_host = c.http_host or c.host
+                try:
+                    self._http = HttpFrontend(
+                        http_host,
+                        c.http_port,
+                        self.registry,
+                        self.dashboard_stats,
+                        lambda: self.ready,
+                    )
+                except OSError as e:
+                    raise ConfigError(
+                        f"server: cannot bind HTTP to {http_host}:{c.http_port}: {e.strerror or e}"
+                    ) from None
+                self._http.start()
+                self.http_port = self._http.port
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        self._ready = True
+        self.metrics.ready.set(1)
+        log.info(
+            "kvtier cache server on %s (%s, %s), http %s",
+            self.address,
+            "TLS" if c.tls else "plaintext",
+            "open" if c.is_open else f"{len(c.tenants)} tenants",
+            self.http_port,
+        )
+        return self
+
+    def dashboard_stats(self) -> dict[str, Any]:
+        """The ``/api/stats`` document."""
+        return dashboard_json(
+            self.history,
+            meta={
+                "version": self.service.version,
+                "ready": self.ready,
+                "open": self.config.is_open,
+                "uptime_s": self.history.source.snapshot().t - self.service.started,
+                "address": self.address,
+            },
+        )
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain and stop; idempotent and safe from any thread.
+
+        Args:
+            grace: Seconds calls in flight may take to finish
+                (``shutdown_grace_s`` if ``None``); then they are cancelled.
+        """
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            grace = self.config.shutdown_grace_s if grace is None else grace
+            self._ready = False
+            self.metrics.ready.set(0)
+            self.service.drain()
+            if self._grpc is not None:
+                self._grpc.stop(grace).wait()
+            if not self.service.wait_idle(timeout=max(grace, 1.0)):
+                log.warning("calls still running after the grace period; closing the store anyway")
+            self.history.close()
+            self.store.close()
+            if self._http is not None:
+                self._http.close()
+            self._stopped.set()
+            log.info("kvtier cache server stopped")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped; ``False`` on timeout."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> CacheServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=5.0)

@@ -1,0 +1,553 @@
+"""The gRPC service: every call authenticated, validated, scoped to its tenant, counted.
+
+Handlers are registered as a generic handler for ``kvtier.cache.v1.KvCache``
+(the service of ``kvtier_cache.proto``): small messages go through the
+generated protobuf classes, the bulk frames of Get and Put through the
+copy-lean codec in :mod:`kvtier.server.proto.frames` (same wire format).
+
+No request can stop the process: a refusal is a :class:`RequestError` turned
+into its status, and anything unexpected is logged and answered INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
+from typing import Any, TypeVar
+
+import grpc
+
+from kvtier.block import verify_block
+from kvtier.errors import CorruptBlockError
+from kvtier.server.admission import (
+    KEY_SIZE,
+    ByteBudget,
+    RequestError,
+    check_keys,
+    denied,
+    draining,
+    invalid,
+    over_limit,
+    unauthenticated,
+)
+from kvtier.server.config import UNAUTHENTICATED_LABEL, Role, ServerConfig
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.proto import PROTOCOL_VERSION
+from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.server.proto.frames import FrameError, decode_put_frame, encode_get_frame
+from kvtier.server.proto.transport import SERVICE_NAME
+from kvtier.server.stats import History
+from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+GET_BATCH = 16
+"""Keys fetched from the store at a time by one Get (bounds the blocks held in memory)."""
+
+T = TypeVar("T")
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def server_version() -> str:
+    """The installed kvtier version."""
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def bearer_token(context: grpc.ServicerContext) -> str | None:
+    """The token of ``authorization: Bearer <token>`` metadata, ``None`` if absent.
+
+    Raises:
+        RequestError: UNAUTHENTICATED if the metadata is there but malformed.
+    """
+    for key, value in context.invocation_metadata() or ():
+        if key != "authorization":
+            continue
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        scheme, _, token = text.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise unauthenticated("authorization metadata must be 'Bearer <token>'")
+        return token
+    return None
+
+
+class KvCacheService:
+    """The handlers of one server.
+
+    Args:
+        store: Where blocks live (the server owns it).
+        directory: Tokens → tenants.
+        config: Limits.
+        metrics: Server metrics.
+        history: Figures for the Stats call.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        directory: TenantDirectory,
+        config: ServerConfig,
+        metrics: ServerMetrics,
+        history: History,
+    ) -> None:
+        self.store = store
+        self.directory = directory
+        self.config = config
+        self.metrics = metrics
+        self.history = history
+        self.version = server_version()
+        self.started = time.time()
+        self.put_budget = ByteBudget(config.max_inflight_put_bytes)
+        metrics.inflight_put_bytes.set_function(lambda: float(self.put_budget.used))
+        self._draining = False
+        self._inflight = 0
+        self._idle = threading.Condition()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse new calls (UNAVAILABLE); calls in flight go on."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call is being served; ``False`` on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The service's handlers, for ``grpc.Server.add_generic_rpc_handlers``."""
+        handlers = {
+            "Lookup": grpc.unary_unary_rpc_method_handler(
+                self._unary("Lookup", "reader", self._lookup),
+                request_deserializer=pb.KeysRequest.FromString,
+                response_serializer=pb.LookupResponse.SerializeToString,
+            ),
+            "Exists": grpc.unary_unary_rpc_method_handler(
+                self._unary("Exists", "reader", self._exists),
+                request_deserializer=pb.KeysRequest.FromString,
+                response_serializer=pb.ExistsResponse.SerializeToString,
+            ),
+            "Get": grpc.unary_stream_rpc_method_handler(
+                self._stream_out("Get", "reader", self._get),
+                request_deserializer=pb.KeysRequest.FromString,
+                response_serializer=_identity,
+            ),
+            "Put": grpc.stream_unary_rpc_method_handler(
+                self._unary("Put", "writer", self._put),
+                request_deserializer=_identity,
+                response_serializer=pb.PutResponse.SerializeToString,
+            ),
+            "Delete": grpc.unary_unary_rpc_method_handler(
+                self._unary("Delete", "writer", self._delete),
+                request_deserializer=pb.KeysRequest.FromString,
+                response_serializer=pb.DeleteResponse.SerializeToString,
+            ),
+            "Stats": grpc.unary_unary_rpc_method_handler(
+                self._unary("Stats", "reader", self._stats),
+                request_deserializer=pb.StatsRequest.FromString,
+                response_serializer=pb.StatsResponse.SerializeToString,
+            ),
+            "Health": grpc.unary_unary_rpc_method_handler(
+                self._unary("Health", None, self._health),
+                request_deserializer=pb.HealthRequest.FromString,
+                response_serializer=pb.HealthResponse.SerializeToString,
+            ),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    # -- the wrapper every call goes through ---------------------------------
+
+    def _authenticate(self, context: grpc.ServicerContext, role: Role | None) -> Tenant | None:
+        try:
+            tenant = self.directory.by_token(bearer_token(context))
+        except UnknownTokenError as e:
+            raise unauthenticated(str(e)) from None
+        if role is None:
+            return tenant
+        if tenant is None:
+            raise unauthenticated(
+                "this server needs a token: send 'authorization: Bearer <token>' metadata"
+            )
+        if not tenant.may(role):
+            raise denied(f"tenant {tenant.name!r} has role {tenant.role}; this call needs {role}")
+        return tenant
+
+    def _enter(self) -> None:
+        with self._idle:
+            self._inflight += 1
+        self.metrics.inflight.inc()
+
+    def _leave(self, method: str, label: str, code: grpc.StatusCode, start: float) -> None:
+        self.metrics.requests.labels(label, method, code.name).inc()
+        self.metrics.latency.labels(method).observe(time.perf_counter() - start)
+        self.metrics.inflight.dec()
+        with self._idle:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
+    def _refuse(self, context: grpc.ServicerContext, e: RequestError) -> None:
+        self.metrics.rejected.labels(e.reason).inc()
+        context.abort(e.code, e.message)
+
+    def _unary(
+        self,
+        method: str,
+        role: Role | None,
+        fn: Callable[[Tenant | None, Any, grpc.ServicerContext], T],
+    ) -> Callable[[Any, grpc.ServicerContext], T]:
+        def handler(request: Any, context: grpc.ServicerContext) -> T:
+            start = time.perf_counter()
+            self._enter()
+            label = UNAUTHENTICATED_LABEL
+            code = grpc.StatusCode.INTERNAL
+            try:
+                if self._draining and method != "Health":
+                    raise draining()
+                tenant = self._authenticate(context, role)
+                if tenant is not None:
+                    label = tenant.label
+                result = fn(tenant, request, context)
+                code = grpc.StatusCode.OK
+                return result
+            except RequestError as e:
+                code = e.code
+                self._refuse(context, e)
+                raise AssertionError("unreachable: abort raises") from None
+            except grpc.RpcError:
+                code = grpc.StatusCode.CANCELLED  # the client went away mid-call
+                raise
+            except Exception:
+                log.exception("%s failed", method)
+                context.abort(
+                    grpc.StatusCode.INTERNAL, f"{method}: internal error (see server log)"
+                )
+                raise AssertionError("unreachable: abort raises") from None
+            finally:
+                self._leave(method, label, code, start)
+
+        return handler
+
+    def _stream_out(
+        self,
+        method: str,
+        role: Role,
+        fn: Callable[[Tenant, Any, grpc.ServicerContext], Iterator[bytes]],
+    ) -> Callable[[Any, grpc.ServicerContext], Iterator[bytes]]:
+        def handler(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+            start = time.perf_counter()
+            self._enter()
+            label = UNAUTHENTICATED_LABEL
+            code = grpc.StatusCode.INTERNAL
+            try:
+                if self._draining:
+                    raise draining()
+                tenant = self._authenticate(context, role)
+                assert tenant is not None
+                label = tenant.label
+                yield from fn(tenant, request, context)
+                code = grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED
+            except RequestError as e:
+                code = e.code
+                self._refuse(context, e)
+            except GeneratorExit:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                log.exception("%s failed", method)
+                context.abort(
+                    grpc.StatusCode.INTERNAL, f"{method}: internal error (see server log)"
+                )
+            finally:
+                self._leave(method, label, code, start)
+
+        return handler
+
+    # -- the calls -------------------------------------------------------------
+
+    def _keys(self, request: pb.KeysRequest) -> list[bytes]:
+        keys = list(request.keys)
+        check_keys(keys, self.config.max_keys_per_call)
+        return keys
+
+    def _lookup(
+        self, tenant: Tenant | None, request: pb.KeysRequest, context: grpc.ServicerContext
+    ) -> pb.LookupResponse:
+        assert tenant is not None
+        keys = self._keys(request)
+        hit = self.store.lookup(tenant.scope(keys)) if keys else 0
+        self.metrics.keys.labels(tenant.label, "lookup", "requested").inc(len(keys))
+        self.metrics.keys.labels(tenant.label, "lookup", "hit").inc(hit)
+        return pb.LookupResponse(prefix_length=hit)
+
+    def _exists(
+        self, tenant: Tenant | None, request: pb.KeysRequest, context: grpc.ServicerContext
+    ) -> pb.ExistsResponse:
+        assert tenant is not None
+        keys = self._keys(request)
+        return pb.ExistsResponse(present=self.store.contains(tenant.scope(keys)) if keys else [])
+
+    def _get(
+        self, tenant: Tenant, request: pb.KeysRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        keys = self._keys(request)
+        scoped = tenant.scope(keys)
+        chunk = self.config.chunk_size
+        hits = 0
+        sent = 0
+        try:
+            for base in range(0, len(scoped), GET_BATCH):
+                blocks = self.store.get(scoped[base : base + GET_BATCH])
+                for j, block in enumerate(blocks):
+                    index = base + j
+                    if block is None:
+                        yield encode_get_frame(index, False)
+                        continue
+                    hits += 1
+                    size = len(block)
+                    view = memoryview(block)
+                    for off in range(0, size, chunk):
+                        yield encode_get_frame(index, True, size, off, view[off : off + chunk])
+                    sent += size
+        finally:
+            self.metrics.keys.labels(tenant.label, "get", "requested").inc(len(keys))
+            self.metrics.keys.labels(tenant.label, "get", "hit").inc(hits)
+            self.metrics.bytes.labels(tenant.label, "out").inc(sent)
+
+    def _put(
+        self, tenant: Tenant | None, frames: Iterable[bytes], context: grpc.ServicerContext
+    ) -> pb.PutResponse:
+        assert tenant is not None
+        receiver = _BlockReceiver(self, tenant)
+        try:
+            for raw in frames:
+                receiver.feed(raw)
+            receiver.finish()
+        finally:
+            receiver.abandon()
+        return pb.PutResponse(blocks=receiver.blocks, bytes=receiver.bytes)
+
+    def _delete(
+        self, tenant: Tenant | None, request: pb.KeysRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteResponse:
+        assert tenant is not None
+        keys = self._keys(request)
+        return pb.DeleteResponse(deleted=self.store.delete(tenant.scope(keys)) if keys else 0)
+
+    def _stats(
+        self, tenant: Tenant | None, request: pb.StatsRequest, context: grpc.ServicerContext
+    ) -> pb.StatsResponse:
+        assert tenant is not None
+        snap = self.history.source.snapshot()
+        recent = self.history.recent()
+        visible = [t for t in snap.tenants if tenant.may("admin") or t.name == tenant.label]
+        response = pb.StatsResponse(
+            version=self.version,
+            uptime_s=time.time() - self.started,
+            lookup_keys=snap.lookup_keys,
+            lookup_hits=snap.lookup_hits,
+            get_keys=snap.get_keys,
+            get_hits=snap.get_hits,
+            bytes_in=snap.bytes_in,
+            bytes_out=snap.bytes_out,
+            requests=snap.requests,
+            errors=snap.errors,
+            tiers=[
+                pb.TierStats(
+                    name=t.name,
+                    used_bytes=t.used_bytes,
+                    capacity_bytes=t.capacity_bytes or 0,
+                    blocks=t.blocks or 0,
+                    get_hits=t.get_hits,
+                    get_misses=t.get_misses,
+                    contains_hits=t.contains_hits,
+                    contains_misses=t.contains_misses,
+                    evictions=t.evictions,
+                    errors=t.errors,
+                    bytes_read=t.bytes_read,
+                    bytes_written=t.bytes_written,
+                )
+                for t in snap.tiers
+            ],
+            tenants=[
+                pb.TenantStats(
+                    name=t.name,
+                    requests=t.requests,
+                    errors=t.errors,
+                    bytes_in=t.bytes_in,
+                    bytes_out=t.bytes_out,
+                    lookup_keys=t.lookup_keys,
+                    lookup_hits=t.lookup_hits,
+                    get_keys=t.get_keys,
+                    get_hits=t.get_hits,
+                )
+                for t in visible
+            ],
+        )
+        if recent is not None:
+            response.recent.CopyFrom(
+                pb.RecentRates(
+                    window_s=recent.window_s,
+                    lookup_hit_rate=-1.0
+                    if recent.lookup_hit_rate is None
+                    else recent.lookup_hit_rate,
+                    get_hit_rate=-1.0 if recent.get_hit_rate is None else recent.get_hit_rate,
+                    bytes_in_per_s=recent.bytes_in_per_s,
+                    bytes_out_per_s=recent.bytes_out_per_s,
+                    requests_per_s=recent.requests_per_s,
+                )
+            )
+        return response
+
+    def _health(
+        self, tenant: Tenant | None, request: pb.HealthRequest, context: grpc.ServicerContext
+    ) -> pb.HealthResponse:
+        c = self.config
+        return pb.HealthResponse(
+            status=pb.HealthResponse.DRAINING if self._draining else pb.HealthResponse.SERVING,
+            version=self.version,
+            protocol_version=PROTOCOL_VERSION,
+            limits=pb.Limits(
+                max_block_size=c.max_block_size,
+                max_keys_per_call=c.max_keys_per_call,
+                chunk_size=c.chunk_size,
+                max_message_size=c.max_message_size,
+            ),
+            tenant=tenant.name if tenant is not None else "",
+            role=tenant.role if tenant is not None else "",
+        )
+
+
+class _BlockReceiver:
+    """Reassembles the blocks of one Put stream; a block reaches the store only when complete and valid."""
+
+    def __init__(self, service: KvCacheService, tenant: Tenant) -> None:
+        self._svc = service
+        self._tenant = tenant
+        self.blocks = 0
+        self.bytes = 0
+        self._key: bytes | None = None
+        self._size = 0
+        self._received = 0
+        self._parts: list[memoryview] = []
+        self._reserved = 0
+
+    def feed(self, raw: bytes) -> None:
+        """Take one frame.
+
+        Raises:
+            RequestError: the frame is malformed, breaks the stream's order, or
+                exceeds a limit; the stream is refused.
+        """
+        try:
+            frame = decode_put_frame(raw)
+        except FrameError as e:
+            raise invalid(f"malformed PutFrame: {e}") from None
+        cfg = self._svc.config
+        if len(frame.key):
+            if self._key is not None:
+                raise invalid(
+                    f"block #{self.blocks} ended after {self._received} of its "
+                    f"{self._size} declared bytes (a new key arrived)"
+                )
+            if len(frame.key) != KEY_SIZE:
+                raise invalid(
+                    f"block #{self.blocks}: key is {len(frame.key)} bytes; keys are exactly {KEY_SIZE}"
+                )
+            if frame.size == 0:
+                raise invalid(f"block #{self.blocks}: size must be set on its first frame")
+            if frame.size > cfg.max_block_size:
+                raise over_limit(
+                    f"block #{self.blocks} declares {frame.size} bytes; "
+                    f"this server takes blocks of at most {cfg.max_block_size}"
+                )
+            if self.blocks >= cfg.max_keys_per_call:
+                raise over_limit(
+                    f"more than {cfg.max_keys_per_call} blocks in one Put stream; split it"
+                )
+            if not self._svc.put_budget.try_reserve(frame.size):
+                raise over_limit(
+                    f"the server is receiving too many bytes at once (limit "
+                    f"{cfg.max_inflight_put_bytes}); retry later"
+                )
+            self._reserved = frame.size
+            self._key = bytes(frame.key)
+            self._size = frame.size
+            self._received = 0
+            self._parts = []
+        elif frame.size:
+            raise invalid("a PutFrame has a size but no key (size goes on a block's first frame)")
+        if len(frame.data):
+            if self._key is None:
+                raise invalid(
+                    "PutFrame data before any block was started (the first frame needs a key)"
+                )
+            if self._received + len(frame.data) > self._size:
+                raise invalid(
+                    f"block #{self.blocks} declared {self._size} bytes but more data arrived"
+                )
+            self._parts.append(frame.data)
+            self._received += len(frame.data)
+        if self._key is not None and self._received == self._size:
+            self._complete()
+
+    def _complete(self) -> None:
+        assert self._key is not None
+        block = b"".join(self._parts)
+        self._parts = []
+        try:
+            verify_block(block)
+        except CorruptBlockError as e:
+            raise invalid(f"block #{self.blocks} is not a valid kvtier block: {e}") from None
+        (scoped,) = self._tenant.scope([self._key])
+        self._svc.store.put([(scoped, block)])
+        self.blocks += 1
+        self.bytes += len(block)
+        self._svc.metrics.bytes.labels(self._tenant.label, "in").inc(len(block))
+        self._key = None
+        self._release()
+
+    def finish(self) -> None:
+        """The stream ended.
+
+        Raises:
+            RequestError: it ended inside a block (that block is discarded).
+        """
+        if self._key is not None:
+            raise invalid(
+                f"the stream ended inside block #{self.blocks}: "
+                f"{self._received} of {self._size} bytes came; it was not stored"
+            )
+
+    def abandon(self) -> None:
+        """Drop an unfinished block (stream ended, broke or was refused) and its reservation."""
+        if self._key is not None:
+            self._svc.metrics.incomplete_puts.inc()
+            self._key = None
+            self._parts = []
+        self._release()
+
+    def _release(self) -> None:
+        if self._reserved:
+            self._svc.put_budget.release(self._reserved)
+            self._reserved = 0
