@@ -205,9 +205,10 @@ class AerospikeTier(Tier):
             self.connect()
         except TransientError as e:
             log.warning(
-                "aerospike tier %r: cannot connect to %s (%s); retrying after %.1fs",
+                "aerospike tier %r: cannot connect to %s%s (%s); retrying after %.1fs",
                 self.name,
                 self._hosts_text(),
+                f" as cluster {config.cluster_name!r}" if config.cluster_name else "",
                 e,
                 config.breaker_cooldown_s,
             )

@@ -331,3 +331,14 @@ def test_closed_tier_is_unavailable(server: AerospikeTestServer) -> None:
     with pytest.raises(TierUnavailableError):
         tier.get([os.urandom(16)])
     tier.close()  # idempotent
+
+
+def test_cluster_name_is_checked(server: AerospikeTestServer) -> None:
+    right = make_tier(server, cluster_name=server.cluster_name)
+    assert right.put([(os.urandom(16), b"j")]) == [True]
+    right.close()
+    wrong = make_tier(server, cluster_name="someone-else")  # construction does not raise
+    assert wrong.limits is None
+    with pytest.raises(TierUnavailableError):
+        wrong.put([(os.urandom(16), b"j")])
+    wrong.close()
