@@ -30,6 +30,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -93,11 +94,11 @@ def ops(
     for encoding in encodings:
         q = backend.gather_kv_quantized(cache, slots, encoding)
         name = "int8" if encoding == "int8" else "fp8"
-        result[f"gather+{name}"] = lambda e=encoding: backend.gather_kv_quantized(
-            cache, slots, e, check_slots=check
+        result[f"gather+{name}"] = partial(
+            backend.gather_kv_quantized, cache, slots, encoding, check_slots=check
         )
-        result[f"dequant+scatter {name}"] = lambda q=q: backend.scatter_kv_dequantized(
-            q.data, q.scales, cache, slots, check_slots=check
+        result[f"dequant+scatter {name}"] = partial(
+            backend.scatter_kv_dequantized, q.data, q.scales, cache, slots, check_slots=check
         )
     return result
 
@@ -127,7 +128,7 @@ def bench_shape(
     for backend_name, backend, check in backends:
         timed = ops(backend, cache, slots, check, full=not quick)
         if on_cuda and backend_name == "triton":
-            timed["gather (check_slots)"] = lambda b=backend: b.gather_kv(cache, slots)
+            timed["gather (check_slots)"] = partial(backend.gather_kv, cache, slots)
         for op, fn in timed.items():
             seconds = timer(fn)
             gbps = nbytes / seconds / 1e9

@@ -54,13 +54,16 @@ def _kernels() -> ModuleType:
     """Imports (once; Python caches the module) and returns the kernel module.
 
     Raises:
-        KernelUnavailableError: if triton is not installed.
+        KernelUnavailableError: if triton is not installed or fails to import.
     """
     if not triton_available():
         raise KernelUnavailableError(
             "triton is not installed; install kvtier[kernels] or use kvtier.kernels.reference"
         )
-    return importlib.import_module("kvtier.kernels._triton_kernels")
+    try:
+        return importlib.import_module("kvtier.kernels._triton_kernels")
+    except ImportError as exc:  # installed but unusable (e.g. a broken build)
+        raise KernelUnavailableError(f"triton cannot be imported: {exc}") from exc
 
 
 def kernels_interpreted() -> bool:
