@@ -32,6 +32,7 @@ from kvtier.server.proto.transport import channel_options
 from kvtier.server.service import KvCacheService
 from kvtier.server.stats import History, StatsSource, dashboard_json
 from kvtier.server.tenants import TenantDirectory
+from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,32 @@ class CacheServer:
 
     Args:
         config: The ``server:`` section.
-        store_config: The store it serves (tiers, write policy).
+        store_config: The store to build (tiers, write policy); defaults if
+            ``None`` and no ``store`` is given.
+        store: A store to serve instead of building one (the server closes
+            it on stop); its metrics registry becomes the server's.
     """
 
-    def __init__(self, config: ServerConfig, store_config: KvtierConfig) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store_config: KvtierConfig | None = None,
+        *,
+        store: TieredStore | None = None,
+    ) -> None:
+        if store is not None and store_config is not None:
+            raise ValueError("give store_config or store, not both")
         self.config = config
-        self.registry = CollectorRegistry()
-        self.store_metrics = StoreMetrics(self.registry)
+        if store is not None:
+            self.store = store
+            self.store_metrics = store.metrics
+            self.registry = store.metrics.registry
+        else:
+            self.registry = CollectorRegistry()
+            self.store_metrics = StoreMetrics(self.registry)
+            self.store = build_store(store_config or KvtierConfig(), self.store_metrics)
         self.metrics = ServerMetrics(self.registry)
         self.directory = TenantDirectory(config)
-        self.store = build_store(store_config, self.store_metrics)
         self.history = History(StatsSource(self.registry, self.store), config.history_s)
         self.service = KvCacheService(
             self.store, self.directory, config, self.metrics, self.history

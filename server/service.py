@@ -177,20 +177,22 @@ class KvCacheService:
 
     # -- the wrapper every call goes through ---------------------------------
 
-    def _authenticate(self, context: grpc.ServicerContext, role: Role | None) -> Tenant | None:
+    def _authenticate(self, context: grpc.ServicerContext) -> Tenant | None:
         try:
-            tenant = self.directory.by_token(bearer_token(context))
+            return self.directory.by_token(bearer_token(context))
         except UnknownTokenError as e:
             raise unauthenticated(str(e)) from None
+
+    @staticmethod
+    def _authorize(tenant: Tenant | None, role: Role | None) -> None:
         if role is None:
-            return tenant
+            return
         if tenant is None:
             raise unauthenticated(
                 "this server needs a token: send 'authorization: Bearer <token>' metadata"
             )
         if not tenant.may(role):
             raise denied(f"tenant {tenant.name!r} has role {tenant.role}; this call needs {role}")
-        return tenant
 
     def _enter(self) -> None:
         with self._idle:
@@ -224,9 +226,10 @@ class KvCacheService:
             try:
                 if self._draining and method != "Health":
                     raise draining()
-                tenant = self._authenticate(context, role)
+                tenant = self._authenticate(context)
                 if tenant is not None:
                     label = tenant.label
+                self._authorize(tenant, role)
                 result = fn(tenant, request, context)
                 code = grpc.StatusCode.OK
                 return result
@@ -262,9 +265,11 @@ class KvCacheService:
             try:
                 if self._draining:
                     raise draining()
-                tenant = self._authenticate(context, role)
+                tenant = self._authenticate(context)
+                if tenant is not None:
+                    label = tenant.label
+                self._authorize(tenant, role)
                 assert tenant is not None
-                label = tenant.label
                 yield from fn(tenant, request, context)
                 code = grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED
             except RequestError as e:

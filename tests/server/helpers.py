@@ -1,0 +1,110 @@
+"""Shared helpers of the cache server tests: servers on free loopback ports, tokens, blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+
+from kvtier.config import CpuTierConfig, KvtierConfig
+from kvtier.server.app import CacheServer
+from kvtier.server.config import ServerConfig, TenantConfig
+from kvtier.server.proto import kvtier_cache_pb2_grpc as pbg
+from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options
+from kvtier.store import TieredStore
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote_config import RemoteTierConfig
+from tests.kvtier.helpers import block, key
+
+__all__ = ["block", "key"]
+
+TOKENS = {"alpha": "tok-alpha-0123456789", "beta": "tok-beta-9876543210", "ops": "tok-ops-admin"}
+"""Plain tokens of the test tenants (the server is configured with their hashes)."""
+
+
+def sha256(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def tenants(roles: dict[str, str] | None = None) -> list[TenantConfig]:
+    """alpha and beta (writers) and ops (admin), unless ``roles`` says otherwise."""
+    roles = roles or {"alpha": "writer", "beta": "writer", "ops": "admin"}
+    return [
+        TenantConfig(name=name, token_sha256=sha256(TOKENS[name]), role=role)  # type: ignore[arg-type]
+        for name, role in roles.items()
+    ]
+
+
+def server_config(**kw: Any) -> ServerConfig:
+    """Loopback, free ports, small limits unless overridden."""
+    base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "http_port": 0, "threads": 8}
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+def cpu_store_config(capacity: int = 256 << 20) -> KvtierConfig:
+    return KvtierConfig(tiers=[CpuTierConfig(capacity=capacity)])
+
+
+@contextmanager
+def running_server(
+    config: ServerConfig | None = None,
+    store_config: KvtierConfig | None = None,
+    *,
+    store: TieredStore | None = None,
+) -> Iterator[CacheServer]:
+    """A started server, stopped (grace 2 s) when the block exits."""
+    config = config or server_config()
+    if store is None:
+        server = CacheServer(config, store_config or cpu_store_config())
+    else:
+        server = CacheServer(config, store=store)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=2.0)
+
+
+def remote(server_or_address: CacheServer | str, token: str | None = None, **kw: Any) -> RemoteTier:
+    address = server_or_address if isinstance(server_or_address, str) else server_or_address.address
+    return RemoteTier(RemoteTierConfig(address=address, token=token, **kw))
+
+
+def stub(address: str) -> tuple[grpc.Channel, pbg.KvCacheStub]:
+    """A channel and the generated (standard protobuf) stub, as any other-language client would use."""
+    channel = grpc.insecure_channel(address, options=channel_options(CLIENT_MAX_RECEIVE))
+    return channel, pbg.KvCacheStub(channel)
+
+
+def auth(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def metric(server: CacheServer, name: str, **labels: str) -> float:
+    value = server.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def requests_of(server: CacheServer, method: str) -> float:
+    """Calls of ``method`` served so far, all tenants and codes."""
+    total = 0.0
+    for m in server.registry.collect():
+        for s in m.samples:
+            if s.name == "kvtier_server_requests_total" and s.labels.get("method") == method:
+                total += s.value
+    return total
+
+
+def keys(ids: Sequence[int]) -> list[bytes]:
+    return [key(i) for i in ids]
