@@ -18,6 +18,11 @@ from kvtier.errors import ConfigError
 
 # name -> (module, attribute, one-line help shown before the module is imported)
 _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": (
+        "kvtier.connectors.demo",
+        "demo",
+        "Prefix reuse across engines: engine A saves KV, a fresh engine B loads it.",
+    ),
     "model": (
         "kvtier.engine.cli",
         "model",
@@ -127,7 +132,7 @@ def config_validate(path: str) -> None:
     click.echo(f"{path}: valid — chunk_size {cfg.chunk_size}, tiers: {tiers}")
 
 
-@main.command("demo")
+@main.command("store-demo")
 @click.option(
     "--config",
     "config_path",
@@ -138,7 +143,7 @@ def config_validate(path: str) -> None:
     "--requests", "num_requests", default=48, show_default=True, help="Requests in the workload."
 )
 @click.option("--seed", default=0, show_default=True)
-def demo(config_path: str | None, num_requests: int, seed: int) -> None:
+def store_demo(config_path: str | None, num_requests: int, seed: int) -> None:
     """Store and reload a realistic KV workload through the CPU and disk tiers.
 
     Simulates requests that share long document prefixes (SmolLM2's KV
