@@ -62,8 +62,18 @@ def _read_ca(config: RemoteTierConfig) -> bytes | None:
 
 
 def open_channel(config: RemoteTierConfig) -> grpc.Channel:
-    """A channel to the server (connects lazily, reconnects by itself)."""
-    options = channel_options(CLIENT_MAX_RECEIVE)
+    """A channel to the server (connects lazily, reconnects by itself).
+
+    Reconnection backoff is capped at the breaker's cool-down, so when the
+    breaker lets a probe through after an outage the channel is already
+    trying to connect again (gRPC's default cap is two minutes).
+    """
+    reconnect_ms = max(100, int(config.breaker_reset_s * 1000))
+    options = channel_options(CLIENT_MAX_RECEIVE) + [
+        ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
+        ("grpc.max_reconnect_backoff_ms", reconnect_ms),
+    ]
     if config.server_name:
         options.append(("grpc.ssl_target_name_override", config.server_name))
     if config.uses_tls:
