@@ -1,0 +1,236 @@
+"""KV block allocation with reference counts and a prefix cache over full blocks (G1).
+
+A block is identified by the chained hash of the tokens it holds::
+
+    hash_0 = xxh3_64(SEED_LE64 || int32-LE tokens of block 0)
+    hash_i = xxh3_64(hash_{i-1} as LE64 || int32-LE tokens of block i)
+
+so equal hashes mean equal prefixes (the tokens are compared too, so a hash
+collision is a miss, never wrong KV). Only full, computed blocks are
+registered. A freed block keeps its hash and contents in an LRU free list
+and can be revived by a later request until it is handed out again.
+
+    free list (LRU order):  [oldest freed ... most recently freed]
+    allocate()  takes from the left (evicting that block's hash, if any)
+    free()      appends to the right (a request's tail blocks first, so its
+                prefix stays cached longest)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.engine.request import Request
+
+_HASH_SEED = 0x6B76_7469_6572  # "kvtier"
+
+
+def chain_hash(prev: int | None, tokens: list[int]) -> int:
+    """Hash of one full block given the hash of the block before it."""
+    h = xxhash.xxh3_64()
+    h.update(((_HASH_SEED if prev is None else prev) & (2**64 - 1)).to_bytes(8, "little"))
+    h.update(np.asarray(tokens, dtype="<i4").tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    """One KV block's bookkeeping."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Hands out KV blocks to requests; finds cached prefixes.
+
+    Not thread-safe: used only from the engine's step thread.
+
+    Args:
+        num_blocks: Blocks in the KV cache.
+        block_size: Tokens per block.
+        enable_prefix_caching: Register and look up full blocks.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ---- queries -----------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (cached or not)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a registered prefix."""
+        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _request_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chained block hashes, computed once and kept on the request."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(
+                chain_hash(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs])
+            )
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Leading blocks of ``request`` already in the cache (a miss is ``[]``).
+
+        At most ``(num_tokens - 1) // block_size`` blocks are matched so at
+        least one token is left to compute. Pure: takes no references.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._request_hashes(request, max_blocks)
+        bs = self.block_size
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._hash_to_block.get(hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.tokens != tuple(request.token_ids[i * bs : (i + 1) * bs]):
+                break  # hash collision: treat as a miss
+            hit.append(block_id)
+        return hit
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one prefix-cache lookup of an admitted request (in tokens)."""
+        self.prefix_cache_queries_tokens += num_query_tokens
+        self.prefix_cache_hit_tokens += num_hit_tokens
+
+    # ---- allocation ----------------------------------------------------------
+
+    def can_allocate(self, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Whether a request can get blocks for ``num_tokens`` tokens, reusing ``cached_blocks``."""
+        new = self.blocks_needed(num_tokens) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return self.num_free_blocks - revived >= max(new, 0)
+
+    def allocate(self, request: Request, cached_blocks: list[int], num_tokens: int) -> None:
+        """Gives ``request`` (which holds no blocks) ``cached_blocks`` plus new blocks
+        up to ``num_tokens`` tokens.
+
+        Raises:
+            RuntimeError: if the request already holds blocks or there is no room
+                (callers check ``can_allocate`` first).
+        """
+        if request.block_ids:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        if not self.can_allocate(cached_blocks, num_tokens):
+            raise RuntimeError("allocate() without room; call can_allocate() first")
+        for b in cached_blocks:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self._free[b]
+            block.ref_count += 1
+            request.block_ids.append(b)
+        request.num_cached_blocks = len(cached_blocks)
+        for _ in range(self.blocks_needed(num_tokens) - len(cached_blocks)):
+            request.block_ids.append(self._take_free())
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.tokens = None
+        block.ref_count = 1
+        return block_id
+
+    def can_append(self, request: Request, num_tokens: int) -> bool:
+        """Whether ``request`` can grow to hold ``num_tokens`` tokens."""
+        return self.blocks_needed(num_tokens) - len(request.block_ids) <= self.num_free_blocks
+
+    def append(self, request: Request, num_tokens: int) -> None:
+        """Grows ``request``'s block table to hold ``num_tokens`` tokens.
+
+        Raises:
+            RuntimeError: if there is no room (callers check ``can_append`` first).
+        """
+        if not self.can_append(request, num_tokens):
+            raise RuntimeError("append() without room; call can_append() first")
+        for _ in range(self.blocks_needed(num_tokens) - len(request.block_ids)):
+            request.block_ids.append(self._take_free())
+
+    def free(self, request: Request) -> None:
+        """Drops ``request``'s references; blocks reaching zero join the LRU free list."""
+        for b in reversed(request.block_ids):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {b} freed more often than allocated")
+            if block.ref_count == 0:
+                self._free[b] = None
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def cache_blocks(self, request: Request) -> None:
+        """Registers ``request``'s newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if full <= request.num_cached_blocks:
+            return
+        hashes = self._request_hashes(request, full)
+        bs = self.block_size
+        for i in range(request.num_cached_blocks, full):
+            block = self.blocks[request.block_ids[i]]
+            h = hashes[i]
+            if block.hash is None and h not in self._hash_to_block:
+                block.hash = h
+                block.tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
+                self._hash_to_block[h] = block.block_id
+        request.num_cached_blocks = full
+
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Asserts that reference counts equal the block tables of ``requests``.
+
+        Raises:
+            AssertionError: on any inconsistency (for tests).
+        """
+        counts = [0] * self.num_blocks
+        for r in requests:
+            for b in r.block_ids:
+                counts[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} != {counts[block.block_id]}"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
+                f"block {block.block_id}: free-list membership disagrees with ref_count"
+            )
+        for h, b in self._hash_to_block.items():
+            assert self.blocks[b].hash == h, f"hash table points at block {b} with another hash"
