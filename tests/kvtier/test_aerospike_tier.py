@@ -1,5 +1,10 @@
-"""The Aerospike tier against the protocol-level test server, through the official client:
-layout, round trips, concurrency, crashes, recency."""
+"""The Aerospike tier through the official client: layout, round trips, concurrency, crashes,
+recency.
+
+Tests taking ``target`` run against the protocol-level test server, or against
+a real server when ``KVTIER_AEROSPIKE_HOST`` is set (tests/support/aerospike_target.py);
+tests taking ``server`` need its clock, counters or faults and always use it.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.aerospike_layout import BIN_SEGMENT, Manifest
 from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
+from tests.support.aerospike_target import InProcessTarget, Target, make_target
 
 KiB, MiB = 1024, 1024 * 1024
 NS, SET = "kvcache", "kvblocks"
@@ -35,7 +41,17 @@ def server() -> Iterator[AerospikeTestServer]:
         yield srv
 
 
-def make_tier(srv: AerospikeTestServer, **overrides: object) -> AerospikeTier:
+@pytest.fixture
+def target() -> Iterator[Target]:
+    t = make_target()
+    yield t
+    t.close()
+
+
+def make_tier(srv: AerospikeTestServer | Target, **overrides: object) -> AerospikeTier:
+    if isinstance(srv, Target):
+        overrides.setdefault("set_name", srv.set_name)
+        overrides.setdefault("namespace", srv.namespace)
     cfg = AerospikeTierConfig(hosts=[srv.address], **overrides)  # type: ignore[arg-type]
     return AerospikeTier(cfg)
 
@@ -54,22 +70,23 @@ def record_count(srv: AerospikeTestServer) -> int:
 
 @pytest.mark.parametrize("cap", [128 * KiB, 1 * MiB, 8 * MiB])
 def test_round_trip_sizes_under_record_caps(cap: int) -> None:
-    with AerospikeTestServer([NamespaceConfig(max_record_size=cap)]) as srv:
-        tier = make_tier(srv)
-        try:
-            limits = tier.limits
-            assert limits is not None and limits.max_record_size == cap
-            seg = limits.segment_size
-            sizes = [4 * KiB, seg - 1, seg, seg + 1, 2 * seg + 7, 3 * MiB]
-            items = [(os.urandom(16), rand_bytes(n, n)) for n in sizes]
-            assert tier.put(items) == [True] * len(items)
-            expected_records = sum(1 if n <= seg else -(-n // seg) + 1 for n in sizes)
-            assert record_count(srv) == expected_records
-            got = tier.get([k for k, _ in items])
-            assert [g == b for g, (_, b) in zip(got, items, strict=True)] == [True] * len(items)
-            assert tier.stats().segmented_reads == sum(n > seg for n in sizes)
-        finally:
-            tier.close()
+    target = make_target(max_record_size=cap)
+    tier = make_tier(target)
+    try:
+        limits = tier.limits
+        assert limits is not None and limits.max_record_size == cap
+        seg = limits.segment_size
+        sizes = [4 * KiB, seg - 1, seg, seg + 1, 2 * seg + 7, 3 * MiB]
+        items = [(os.urandom(16), rand_bytes(n, n)) for n in sizes]
+        assert tier.put(items) == [True] * len(items)
+        expected_records = sum(1 if n <= seg else -(-n // seg) + 1 for n in sizes)
+        assert target.record_count() == expected_records
+        got = tier.get([k for k, _ in items])
+        assert [g == b for g, (_, b) in zip(got, items, strict=True)] == [True] * len(items)
+        assert tier.stats().segmented_reads == sum(n > seg for n in sizes)
+    finally:
+        tier.close()
+        target.close()
 
 
 @pytest.mark.parametrize("cap", [128 * KiB, 8 * MiB])
@@ -79,51 +96,57 @@ def test_32mib_encoded_block_round_trips(cap: int) -> None:
     block = encode_block(kv)
     assert len(block) > 32 * MiB
     key = os.urandom(16)
-    with AerospikeTestServer([NamespaceConfig(max_record_size=cap)]) as srv:
-        tier = make_tier(srv)
-        try:
-            assert tier.put([(key, block)]) == [True]
-            srv.reset_counts()
-            (got,) = tier.get([key])
-            assert got == block
-            verify_block(got)
-            # One read of the chunk key (the client sends a one-key batch as a
-            # single-record read), then every segment in ONE batch.
-            assert srv.message_count() == 2
-            assert srv.counts["batch_rows"] == -(-len(block) // tier.limits.segment_size)  # type: ignore[union-attr]
-            assert srv.largest_message < 128 * MiB
-        finally:
-            tier.close()
+    target = make_target(max_record_size=cap)
+    tier = make_tier(target)
+    try:
+        assert tier.put([(key, block)]) == [True]
+        before = tier.stats().round_trips
+        rows_before = (
+            target.server.counts["batch_rows"] if isinstance(target, InProcessTarget) else 0
+        )
+        (got,) = tier.get([key])
+        assert got == block
+        verify_block(got)
+        # One read of the chunk key, then every segment in ONE batch.
+        assert tier.stats().round_trips - before == 2
+        if isinstance(target, InProcessTarget):
+            assert target.server.counts["batch_rows"] - rows_before == -(
+                -len(block) // tier.limits.segment_size
+            )  # type: ignore[union-attr]
+            assert target.server.largest_message < 128 * MiB
+    finally:
+        tier.close()
+        target.close()
 
 
-def test_small_blocks_are_one_record_and_one_round_trip(server: AerospikeTestServer) -> None:
-    tier = make_tier(server)
+def test_small_blocks_are_one_record_and_one_round_trip(target: Target) -> None:
+    tier = make_tier(target)
     items = [(os.urandom(16), rand_bytes(8 * KiB, i)) for i in range(20)]
-    server.reset_counts()
+    before = tier.stats().round_trips
     assert tier.put(items) == [True] * 20
-    assert server.message_count() == 1
-    server.reset_counts()
+    assert tier.stats().round_trips - before == 1
     assert tier.get([k for k, _ in items]) == [b for _, b in items]
-    assert server.message_count() == 1
-    assert record_count(server) == 20
+    assert tier.stats().round_trips - before == 2
+    assert target.record_count() == 20
     tier.close()
 
 
-def test_keys_differing_after_a_nul_byte_are_distinct(server: AerospikeTestServer) -> None:
+def test_keys_differing_after_a_nul_byte_are_distinct(target: Target) -> None:
     # The Python client hashes a ``bytes`` key as a C string; the tier must not.
-    tier = make_tier(server)
+    tier = make_tier(target)
     keys = [b"\x00" * 15 + bytes([i]) for i in range(4)] + [
         b"ab\x00" + bytes(13),
         b"ab\x00" + b"\x01" * 13,
     ]
     items = [(k, rand_bytes(1000, i)) for i, k in enumerate(keys)]
     assert tier.put(items) == [True] * len(items)
-    assert record_count(server) == len(keys)
+    assert target.record_count() == len(keys)
     assert tier.get(keys) == [b for _, b in items]
     tier.close()
 
 
 def test_contains_and_prefix_length_take_one_round_trip(server: AerospikeTestServer) -> None:
+    """Counted at the server: one command per call (the real server has no such counter)."""
     tier = make_tier(server, segment_size=16 * KiB)
     keys = [os.urandom(16) for _ in range(60)]
     present = keys[:25] + keys[26:40]
@@ -143,34 +166,34 @@ def test_contains_and_prefix_length_take_one_round_trip(server: AerospikeTestSer
     tier.close()
 
 
-def test_delete_removes_blocks_and_their_segments(server: AerospikeTestServer) -> None:
-    tier = make_tier(server, segment_size=16 * KiB)
+def test_delete_removes_blocks_and_their_segments(target: Target) -> None:
+    tier = make_tier(target, segment_size=16 * KiB)
     items = [(os.urandom(16), rand_bytes(n, n)) for n in (1000, 100 * KiB, 50 * KiB)]
     tier.put(items)
-    assert record_count(server) > 3
+    assert target.record_count() == 1 + (7 + 1) + (4 + 1)
     assert tier.delete([k for k, _ in items] + [os.urandom(16)]) == 3
-    assert record_count(server) == 0
+    assert target.record_count() == 0
     assert tier.get([k for k, _ in items]) == [None, None, None]
     assert tier.delete([items[0][0]]) == 0
     tier.close()
 
 
-def test_rewriting_a_key_is_harmless(server: AerospikeTestServer) -> None:
-    tier = make_tier(server, segment_size=16 * KiB)
+def test_rewriting_a_key_is_harmless(target: Target) -> None:
+    tier = make_tier(target, segment_size=16 * KiB)
     key, block = os.urandom(16), rand_bytes(70 * KiB, 1)
     assert tier.put([(key, block)]) == [True]
-    records = record_count(server)
+    records = target.record_count()
     assert tier.put([(key, block)]) == [True]  # the second writer's segments are cleaned up
-    assert record_count(server) == records
+    assert target.record_count() == records
     assert tier.get([key]) == [block]
     tier.close()
 
 
-def test_racing_writers_leave_one_complete_block(server: AerospikeTestServer) -> None:
+def test_racing_writers_leave_one_complete_block(target: Target) -> None:
     """Writer A is held between its segments and its manifest while writer B writes the
     same chunk with *different* bytes: the result is exactly one writer's block, never a
     mix, and the loser's segments are deleted."""
-    a, b = make_tier(server, segment_size=8 * KiB), make_tier(server, segment_size=8 * KiB)
+    a, b = make_tier(target, segment_size=8 * KiB), make_tier(target, segment_size=8 * KiB)
     key = os.urandom(16)
     block_a, block_b = rand_bytes(50 * KiB, 1), rand_bytes(50 * KiB, 2)
     paused, resume = threading.Event(), threading.Event()
@@ -191,17 +214,17 @@ def test_racing_writers_leave_one_complete_block(server: AerospikeTestServer) ->
     resume.set()
     thread.join(10)
     assert result == [[True]]
-    reader = make_tier(server)
+    reader = make_tier(target)
     assert reader.get([key]) == [block_b]
     n_segments = -(-len(block_b) // (8 * KiB))
-    assert record_count(server) == n_segments + 1
+    assert target.record_count() == n_segments + 1
     assert a.stats().orphan_cleanups == n_segments
     for t in (a, b, reader):
         t.close()
 
 
-def test_concurrent_writers_of_the_same_chunks(server: AerospikeTestServer) -> None:
-    tiers = [make_tier(server, segment_size=8 * KiB) for _ in range(3)]
+def test_concurrent_writers_of_the_same_chunks(target: Target) -> None:
+    tiers = [make_tier(target, segment_size=8 * KiB) for _ in range(3)]
     items = [(os.urandom(16), rand_bytes(40 * KiB, i)) for i in range(4)]
     start = threading.Barrier(len(tiers))
     results: list[list[bool]] = []
@@ -217,7 +240,7 @@ def test_concurrent_writers_of_the_same_chunks(server: AerospikeTestServer) -> N
         th.join(20)
     assert results == [[True] * 4] * 3
     assert tiers[0].get([k for k, _ in items]) == [b for _, b in items]
-    assert record_count(server) == 4 * (5 + 1)  # no orphans left behind
+    assert target.record_count() == 4 * (5 + 1)  # no orphans left behind
     for t in tiers:
         t.close()
 
@@ -228,7 +251,9 @@ _DYING_WRITER = textwrap.dedent(
     from kvtier.tiers.aerospike import AerospikeTier
     from kvtier.tiers.aerospike_config import AerospikeTierConfig
 
-    tier = AerospikeTier(AerospikeTierConfig(hosts=[sys.argv[1]], ttl_s=600, segment_size=16384))
+    tier = AerospikeTier(AerospikeTierConfig(
+        hosts=[sys.argv[1]], namespace=sys.argv[4], set_name=sys.argv[5], ttl_s=600, segment_size=16384
+    ))
     real = tier._write_batch
 
     def write_batch(client, op, records):
@@ -243,25 +268,22 @@ _DYING_WRITER = textwrap.dedent(
 
 
 def test_writer_killed_before_its_manifest_leaves_nothing_readable(
-    server: AerospikeTestServer, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
     script = tmp_path / "writer.py"
     script.write_text(_DYING_WRITER)
     key = os.urandom(16)
-    proc = subprocess.run(
-        [sys.executable, str(script), server.address, key.hex(), str(100 * KiB)],
-        capture_output=True,
-        timeout=60,
-    )
+    args = [target.address, key.hex(), str(100 * KiB), target.namespace, target.set_name]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
-    orphans = record_count(server)
-    assert orphans == -(-100 * KiB // 16384)
-    reader = make_tier(server)
+    assert target.record_count() == -(-100 * KiB // 16384)  # orphan segments only
+    reader = make_tier(target)
     assert reader.get([key]) == [None]
     assert reader.contains([key]) == [False]
     assert reader.prefix_length([key]) == 0
-    server.advance_clock(601)  # the orphans' TTL reclaims them
-    assert record_count(server) == 0
+    if isinstance(target, InProcessTarget):
+        target.server.advance_clock(601)  # the orphans' TTL reclaims them
+        assert target.record_count() == 0
     reader.close()
 
 
@@ -289,24 +311,21 @@ def test_in_doubt_manifest_retry_keeps_the_block(server: AerospikeTestServer) ->
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
-def test_manifest_with_bad_segments_is_a_miss_and_cleaned_up(
-    server: AerospikeTestServer, damage: str
-) -> None:
-    tier = make_tier(server, segment_size=16 * KiB)
+def test_manifest_with_bad_segments_is_a_miss_and_cleaned_up(target: Target, damage: str) -> None:
+    tier = make_tier(target, segment_size=16 * KiB)
     key, block = os.urandom(16), rand_bytes(60 * KiB, 5)
     tier.put([(key, block)])
-    manifest = Manifest.decode(bytes(server.record(NS, digest(key)).bins["m"][1]))  # type: ignore[union-attr]
-    victim = digest(manifest.segment_keys(key)[2])
+    (raw,) = tier._read_rows(tier._client, "test", [key], ["m"], tier._exists_policy)
+    manifest = Manifest.decode(raw[1][2]["m"])
+    victim = manifest.segment_keys(key)[2]
     if damage == "missing":
-        assert server.remove_record(NS, victim)  # as eviction would
+        assert target.remove(victim)  # as eviction would
     else:
-        rec = server.record(NS, victim)
-        assert rec is not None
-        particle, value = rec.bins[BIN_SEGMENT]
-        rec.bins[BIN_SEGMENT] = (particle, bytes([value[0] ^ 0xFF]) + value[1:])
+        part = block[2 * 16 * KiB : 3 * 16 * KiB]
+        target.overwrite(victim, BIN_SEGMENT, bytes([part[0] ^ 0xFF]) + part[1:])
     assert tier.get([key]) == [None]
     assert tier.stats().broken_manifests == 1
-    assert record_count(server) == 0  # manifest and surviving segments deleted
+    assert target.record_count() == 0  # manifest and surviving segments deleted
     assert tier.put([(key, block)]) == [True]
     assert tier.get([key]) == [block]
     tier.close()
@@ -387,14 +406,16 @@ def test_usage_reports_the_set(server: AerospikeTestServer) -> None:
     tier.close()
 
 
-def test_metrics_count_round_trips() -> None:
+def test_metrics_count_round_trips(target: Target) -> None:
     metrics = StoreMetrics()
-    with AerospikeTestServer() as srv:
-        tier = AerospikeTier(AerospikeTierConfig(hosts=[srv.address], name="fleet"), metrics)
-        key = os.urandom(16)
-        tier.put([(key, b"z" * 100)])
-        tier.get([key])
-        tier.close()
+    cfg = AerospikeTierConfig(
+        hosts=[target.address], namespace=target.namespace, set_name=target.set_name, name="fleet"
+    )
+    tier = AerospikeTier(cfg, metrics)
+    key = os.urandom(16)
+    tier.put([(key, b"z" * 100)])
+    tier.get([key])
+    tier.close()
     value = metrics.registry.get_sample_value
     assert value("kvtier_aerospike_round_trips_total", {"tier": "fleet", "op": "put"}) == 1
     assert value("kvtier_aerospike_round_trips_total", {"tier": "fleet", "op": "get"}) == 1
