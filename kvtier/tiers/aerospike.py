@@ -307,10 +307,11 @@ class AerospikeTier(Tier):
             return self._usage
         self._usage_at = now
         try:
+            # NOTE: no retries: a metrics scrape must not wait out backoffs.
             set_infos = self._info(
-                client, f"sets/{self.config.namespace}/{self.config.set_name}", ":"
+                client, f"sets/{self.config.namespace}/{self.config.set_name}", ":", retry=False
             )
-            ns_infos = self._info(client, f"namespace/{self.config.namespace}", ";")
+            ns_infos = self._info(client, f"namespace/{self.config.namespace}", ";", retry=False)
         except (TransientError, ConfigError) as e:
             log.debug("aerospike tier %r: usage unavailable: %s", self.name, e)
             return self._usage
@@ -448,10 +449,23 @@ class AerospikeTier(Tier):
             cfg["cluster_name"] = c.cluster_name
         return cfg
 
-    def _info(self, client: Any, command: str, sep: str) -> list[dict[str, str]]:
+    def _info(
+        self, client: Any, command: str, sep: str, *, retry: bool = True
+    ) -> list[dict[str, str]]:
         """``command`` on every node, each reply parsed into a dict (``sep`` between pairs)."""
         policy = {"timeout": self.config.connect_timeout_ms}
-        replies = self._round_trip("info", lambda: client.info_all(command, policy=policy))
+
+        def call() -> Any:
+            return client.info_all(command, policy=policy)
+
+        if retry:
+            replies = self._round_trip("info", call)
+        else:
+            self._stats.round_trip("info")
+            try:
+                replies = call()
+            except aerospike_exception.AerospikeError as e:
+                raise self._error(e) from None
         out = []
         for node, (err, text) in replies.items():
             if err is not None:

@@ -48,6 +48,9 @@ BIN_SEGMENT = "s"
 HEAD_BYTES = 64
 """Bytes of the block copied into the manifest (the size of a kvtier block header)."""
 NONCE_BYTES = 8
+MAX_SEGMENTS = 1 << 16
+"""A manifest naming more segments is rejected (a damaged manifest must not make a
+reader ask for millions of keys); with 1 MiB records that is a 64 GiB block."""
 
 _MAGIC = b"KVAM"
 _VERSION = 1
@@ -132,7 +135,7 @@ class Manifest:
             raise ManifestError(f"bad manifest magic {magic!r}")
         if version != _VERSION or kind != _CHECKSUM_XXH3_64 or reserved:
             raise ManifestError(f"unsupported manifest version {version} / checksum kind {kind}")
-        if seg <= 0 or length <= 0 or n != segment_count(length, seg):
+        if seg <= 0 or length <= 0 or n != segment_count(length, seg) or n > MAX_SEGMENTS:
             raise ManifestError(f"inconsistent manifest: {n} segments of {seg} B for {length} B")
         if head_len != min(HEAD_BYTES, length) or len(data) != _HEADER.size + head_len:
             raise ManifestError(f"manifest head of {head_len} B does not fit a {length}-byte block")
