@@ -400,6 +400,13 @@ class LLMEngine:
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos_ids):
             reason = "stop"
             req.stop_reason = token
+            # the stop token is not rendered; bytes still pending before it are
+            prev = len(req.text)
+            req.text += req.detokenizer.flush()
+            hit = req.stop_matcher.find(req.text, prev)
+            if hit is not None:
+                req.text = req.text[: hit[0]]
+                req.stop_reason = hit[1]
         else:
             prev = len(req.text)
             req.text += req.detokenizer.add(token)
