@@ -33,8 +33,9 @@ def slots_for_tokens(
         block_size: tokens per block.
         start_token: position of the chunk's first token in the request.
         num_tokens: tokens in the chunk.
-        device: where to build the result; defaults to ``block_ids``'s device
-            for a tensor and the CPU for a list.
+        device: where the result goes; defaults to ``block_ids``'s device
+            for a tensor and the CPU for a list. A list is checked and
+            expanded on the host and copied once (no device sync).
 
     Returns:
         ``[num_tokens]`` int64 slots.
@@ -56,10 +57,14 @@ def slots_for_tokens(
                 f"of shape {tuple(block_ids.shape)}"
             )
         table = block_ids.to(device=device, dtype=torch.int64)
+        target = table.device
     else:
-        table = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+        # A list is checked and expanded on the host, then copied once: no
+        # device sync for the common case of a host-side block table.
+        table = torch.tensor(list(block_ids), dtype=torch.int64)
+        target = torch.device(device) if device is not None else table.device
     if num_tokens == 0:
-        return torch.empty(0, dtype=torch.int64, device=table.device)
+        return torch.empty(0, dtype=torch.int64, device=target)
     last_block = (start_token + num_tokens - 1) // block_size
     if last_block >= table.shape[0]:
         raise KernelInputError(
@@ -68,9 +73,9 @@ def slots_for_tokens(
         )
     first_block = start_token // block_size
     used = table[first_block : last_block + 1]
-    # NOTE: for a CUDA table this is one small sync; block tables are built on
-    # the host in practice.
+    # NOTE: for a CUDA tensor table this check is one small sync.
     if bool((used < 0).any()):
         raise KernelInputError(f"block_ids: expected block ids >= 0, got {used.tolist()}")
     positions = torch.arange(start_token, start_token + num_tokens, device=table.device)
-    return used[positions // block_size - first_block] * block_size + positions % block_size
+    slots = used[positions // block_size - first_block] * block_size + positions % block_size
+    return slots.to(target)

@@ -69,3 +69,9 @@ def test_unused_negative_entries_are_fine_and_empty_is_empty() -> None:
     # Only the blocks the range touches are checked.
     assert slots_for_tokens([-1, 3], 4, 4, 2).tolist() == [12, 13]
     assert slots_for_tokens([], 4, 0, 0).shape == (0,)
+
+
+def test_device_argument_places_the_result() -> None:
+    slots = slots_for_tokens([3, 1], 4, 1, 5, device="meta")
+    assert slots.device.type == "meta" and slots.shape == (5,)
+    assert slots_for_tokens([3, 1], 4, 0, 0, device="meta").device.type == "meta"
