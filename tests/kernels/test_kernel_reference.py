@@ -74,7 +74,7 @@ def test_scatter_matches_token_loop(dtype: torch.dtype, layout: str) -> None:
     assert_bitwise_equal(base, expected_base, "scatter (whole allocation)")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     layers=st.integers(1, 3),
     blocks=st.integers(1, 6),
