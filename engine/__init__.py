@@ -7,6 +7,7 @@ seam in ``kvtier.engine.connector``.
 
 from __future__ import annotations
 
+from kvtier.engine.async_engine import AsyncLLMEngine
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.errors import (
     ConnectorError,
@@ -23,6 +24,7 @@ from kvtier.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLMEngine",
     "ConnectorError",
     "EngineConfig",
     "EngineConfigError",
