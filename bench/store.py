@@ -2,6 +2,7 @@
 
     python bench/store.py --quick
     python bench/store.py --tiers cpu,disk --sizes 256KiB,1MiB,4MiB,16MiB,32MiB
+    python bench/store.py --tiers server --sizes 256KiB,4MiB,32MiB   # + redis if installed
 
 What is measured, per tier and block size (GB/s of block bytes), with every
 copy done by numpy (single-threaded memcpy, like the baseline):
@@ -18,11 +19,18 @@ copy done by numpy (single-threaded memcpy, like the baseline):
 The memcpy baseline copies the same blocks into the same destination with
 numpy, measured in the same run right after the tier's figures. Disk figures are with the page cache warm (nothing flushes it
 between writing and reading): an upper bound for a real disk.
+
+``server`` is the remote tier talking to a ``kvtier serve`` subprocess over
+loopback (CPU-only storage on the server; ``bench/peers.py``). When
+``redis-server`` is on PATH, ``redis`` (redis-py + hiredis against a
+``redis-server`` started for the run, no persistence) is measured in the same
+run with the same blocks, as a peer for ``server``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, machine, table, timeit
+from peers import RedisProcess, RedisTier, ServerProcess
 
 from kvtier.block import activation_like_kv, decode_block, encode_block
 from kvtier.store import TieredStore
@@ -55,18 +64,33 @@ def make_blocks(block_bytes: int, count: int, seed: int) -> list[tuple[bytes, by
     return out
 
 
-def build_tier(kind: str, tmp: Path, capacity: int) -> Tier:
+def build_tier(kind: str, tmp: Path, capacity: int, peers: dict[str, object]) -> Tier:
     if kind == "cpu":
         return CpuTier(capacity)
     if kind == "disk":
         return DiskTier(tmp / "disk", capacity)
-    raise SystemExit(f"unknown tier {kind!r}; this script knows: cpu, disk")
+    if kind == "server":
+        from kvtier.tiers.remote import RemoteTier
+        from kvtier.tiers.remote_config import RemoteTierConfig
+
+        server = peers["server"]
+        assert isinstance(server, ServerProcess)
+        return RemoteTier(
+            RemoteTierConfig(name="server", address=server.address, transfer_timeout_s=120)
+        )
+    if kind == "redis":
+        redis = peers["redis"]
+        assert isinstance(redis, RedisProcess)
+        return RedisTier(redis.port)
+    raise SystemExit(f"unknown tier {kind!r}; this script knows: cpu, disk, server, redis")
 
 
-def bench_tier(kind: str, block_bytes: int, count: int, tmp: Path, repeat: int) -> dict[str, float]:
+def bench_tier(
+    kind: str, block_bytes: int, count: int, tmp: Path, repeat: int, peers: dict[str, object]
+) -> dict[str, float]:
     items = make_blocks(block_bytes, count, seed=block_bytes % 9973)
     nbytes = sum(len(b) for _, b in items)
-    tier = build_tier(kind, tmp, capacity=nbytes * 4)
+    tier = build_tier(kind, tmp, capacity=nbytes * 4, peers=peers)
     sources = [np.frombuffer(b, dtype=np.uint8) for _, b in items]
     dst = np.empty(max(len(b) for _, b in items), dtype=np.uint8)
     state = {"round": 0}
@@ -122,19 +146,36 @@ def main() -> None:
     ap.add_argument(
         "--sizes", default=None, help="comma-separated block sizes (default 256KiB..32MiB)"
     )
+    ap.add_argument(
+        "--server-chunk", default="1MiB", help="frame size of the benchmarked kvtier serve"
+    )
     args = ap.parse_args()
     sizes = args.sizes or ("256KiB,4MiB,32MiB" if args.quick else "256KiB,1MiB,4MiB,16MiB,32MiB")
     block_sizes = [parse_bytes(s) for s in sizes.split(",")]
     repeat = 3 if args.quick else 7
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if "server" in tiers and "redis" not in tiers:
+        if RedisProcess.available():
+            tiers.append("redis")
+        else:
+            print("note: redis-server is not on PATH; no Redis peer in this run", file=sys.stderr)
 
     results = []
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+    peer_memory = 2 << 30  # both peers evict (LRU) beyond this
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-"))
+        peers: dict[str, object] = {}
+        if "server" in tiers:
+            peers["server"] = stack.enter_context(
+                ServerProcess(peer_memory, chunk_size=parse_bytes(args.server_chunk))
+            )
+        if "redis" in tiers:
+            peers["redis"] = stack.enter_context(RedisProcess(peer_memory))
         for size in block_sizes:
             count = max(2, min(32, (64 << 20) // size))
             for kind in tiers:
-                r = bench_tier(kind, size, count, Path(tmp) / f"{kind}-{size}", repeat)
+                r = bench_tier(kind, size, count, Path(tmp) / f"{kind}-{size}", repeat, peers)
                 base = r["memcpy"]
                 for op in ("put", "get", "load"):
                     ratio = r[op] / base

@@ -54,6 +54,7 @@ def serve(
     received included) finish within server.shutdown_grace_s, then the store
     flushes its background writes.
     """
+    from kvtier.server.allocator import retain_freed_memory
     from kvtier.server.app import CacheServer
     from kvtier.server.loader import load_server_config
 
@@ -64,6 +65,8 @@ def serve(
     }
     try:
         server_config, store_config = load_server_config(config_path, overrides=overrides)
+        if server_config.malloc_retain is not None:
+            retain_freed_memory(server_config.malloc_retain)
         server = CacheServer(server_config, store_config).start()
     except ConfigError as e:
         raise click.ClickException(str(e)) from None

@@ -154,6 +154,11 @@ class ServerConfig(_Strict):
     history_s: int = Field(
         300, ge=10, le=86400, description="seconds of history the dashboard shows"
     )
+    malloc_retain: ByteCount | None = Field(
+        parse_bytes("1GiB"),
+        description="kvtier serve on glibc: keep up to this many freed bytes for reuse "
+        "(fewer page faults per transferred block; server/allocator.py); null: allocator defaults",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
