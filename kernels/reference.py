@@ -52,6 +52,39 @@ def _slot_view(kv_cache: torch.Tensor) -> torch.Tensor | None:
     return kv_cache.view(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
 
 
+def _block_rows(
+    kv_cache: torch.Tensor, slots: torch.Tensor, geom: CacheGeometry
+) -> torch.Tensor | None:
+    """Block ids when ``slots`` is a run of whole blocks and each block is one contiguous row.
+
+    The common case of a chunk aligned to the engine's blocks: moving whole
+    ``[block_size, H, D]`` rows (one index per block instead of one per token)
+    is about 1.5x faster on the CPU. Returns ``None`` when it does not apply.
+    """
+    bs = geom.block_size
+    t = geom.num_tokens
+    if t % bs or slots.device.type != "cpu":
+        return None
+    row = geom.num_kv_heads * geom.head_dim
+    if kv_cache.stride(3) != row or kv_cache.stride(4) != geom.head_dim:
+        return None
+    grid = slots.view(t // bs, bs)
+    first = grid[:, 0]
+    if bool((first < 0).any()) or bool((first % bs).any()) or bool((first >= geom.num_slots).any()):
+        return None
+    if not torch.equal(grid, first[:, None] + torch.arange(bs, dtype=slots.dtype)):
+        return None
+    return first // bs
+
+
+def _as_rows(t: torch.Tensor, num_rows: int, geom: CacheGeometry) -> torch.Tensor:
+    """``[L, 2, rows * block_size, H, D]`` or ``[L, 2, rows, block_size, H, D]`` as ``[L, 2, rows, block_size*H*D]``."""
+    return t.as_strided(
+        (geom.num_layers, 2, num_rows, geom.block_size * geom.num_kv_heads * geom.head_dim),
+        (t.stride(0), t.stride(1), t.stride(2) * (geom.block_size if t.dim() == 5 else 1), 1),
+    )
+
+
 def _valid_slots(slot_mapping: torch.Tensor, geom: CacheGeometry) -> torch.Tensor:
     # valid: [T] bool, True where the token is read or written.
     return (slot_mapping >= 0) & (slot_mapping < geom.num_slots)
@@ -85,6 +118,13 @@ def gather_kv(
     if geom.num_tokens == 0:
         return out
     slots = slot_mapping.long()
+    blocks = _block_rows(kv_cache, slots, geom)
+    if blocks is not None:
+        rows = len(blocks)
+        torch.index_select(
+            _as_rows(kv_cache, geom.num_blocks, geom), 2, blocks, out=_as_rows(out, rows, geom)
+        )
+        return out
     valid = _valid_slots(slots, geom)
     all_valid = bool(valid.all())
     if not all_valid and not bool(valid.any()):
@@ -123,6 +163,11 @@ def scatter_kv(
     if geom.num_tokens == 0:
         return
     slots = slot_mapping.long()
+    blocks = _block_rows(kv_cache, slots, geom)
+    if blocks is not None:
+        rows = _as_rows(kv_cache, geom.num_blocks, geom)
+        rows.index_copy_(2, blocks, _as_rows(chunk, len(blocks), geom))
+        return
     valid = _valid_slots(slots, geom)
     if bool(valid.all()):
         index, source = slots, chunk

@@ -241,3 +241,31 @@ def test_quantize_leaves_its_input_alone(dtype: torch.dtype) -> None:
     q = quantize_chunk(x, "int8")
     dequantize_chunk(q.data, q.scales, dtype)
     assert_bitwise_equal(x, before, "quantize input")
+
+
+def test_whole_block_fast_path_matches_token_path() -> None:
+    """Aligned whole-block slot runs take the row-copy path; it must equal the per-token path."""
+    from kvtier.kernels import slots_for_tokens
+    from kvtier.kernels.checks import check_gather
+
+    g = torch.Generator().manual_seed(0)
+    # Padding on the layer and K/V dims: rows stay contiguous, the tensor does not.
+    base = torch.randn(3, 2, 12, 4, 2, 8, generator=g)
+    cache = torch.randn(4, 3, 12, 4, 2, 8, generator=g)[:3, :2]
+    cache.copy_(base)
+    slots = slots_for_tokens([9, 0, 4], 4, 0, 12)
+    geom = check_gather(cache, slots, None, check_slots=True)
+    assert reference._block_rows(cache, slots, geom) is not None
+    token_path = cache.reshape(3, 2, 48, 2, 8)[:, :, slots]
+    assert torch.equal(reference.gather_kv(cache, slots), token_path)
+    target = torch.zeros_like(cache)
+    reference.scatter_kv(token_path.contiguous(), target, slots)
+    expect = torch.zeros_like(cache).reshape(3, 2, 48, 2, 8)
+    expect[:, :, slots] = token_path
+    assert torch.equal(target.reshape(3, 2, 48, 2, 8), expect)
+    # A run that starts mid-block does not take the fast path.
+    shifted = slots_for_tokens([9, 0, 4], 4, 1, 8)
+    assert (
+        reference._block_rows(cache, shifted, check_gather(cache, shifted, None, check_slots=True))
+        is None
+    )
