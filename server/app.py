@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -168,7 +169,7 @@ class CacheServer:
                 "version": self.service.version,
                 "ready": self.ready,
                 "open": self.config.is_open,
-                "uptime_s": self.history.source.snapshot().t - self.service.started,
+                "uptime_s": time.time() - self.service.started,
                 "address": self.address,
             },
         )

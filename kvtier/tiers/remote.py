@@ -43,6 +43,8 @@ from kvtier.tiers.remote_errors import (
 
 T = TypeVar("T")
 
+_LIMIT_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT})
+
 
 def _identity(b: bytes) -> bytes:
     return b
@@ -69,7 +71,8 @@ def open_channel(config: RemoteTierConfig) -> grpc.Channel:
     trying to connect again (gRPC's default cap is two minutes).
     """
     reconnect_ms = max(100, int(config.breaker_reset_s * 1000))
-    options = channel_options(CLIENT_MAX_RECEIVE) + [
+    options = [
+        *channel_options(CLIENT_MAX_RECEIVE),
         ("grpc.initial_reconnect_backoff_ms", min(200, reconnect_ms)),
         ("grpc.min_reconnect_backoff_ms", min(200, reconnect_ms)),
         ("grpc.max_reconnect_backoff_ms", reconnect_ms),
@@ -184,6 +187,10 @@ class RemoteTier(Tier):
             try:
                 return fn()
             except grpc.RpcError as e:
+                if e.code() in _LIMIT_CODES:
+                    # A server restarted with other limits: ask Health again next time.
+                    with self._limits_lock:
+                        self._limits = None
                 raise map_rpc_error(e, self.name, op) from None
 
         try:
