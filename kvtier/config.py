@@ -27,6 +27,8 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.aerospike_config import AerospikeTierConfig
+from kvtier.tiers.remote_config import RemoteTierConfig
 from kvtier.units import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
@@ -70,7 +72,10 @@ class DiskTierConfig(_Strict):
     fsync: bool = False
 
 
-TierConfig = Annotated[CpuTierConfig | DiskTierConfig, Field(discriminator="type")]
+TierConfig = Annotated[
+    CpuTierConfig | DiskTierConfig | AerospikeTierConfig | RemoteTierConfig,
+    Field(discriminator="type"),
+]
 
 
 class BlockConfig(_Strict):

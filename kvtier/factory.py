@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, TierConfig
+from kvtier.config import (
+    AerospikeTierConfig,
+    CpuTierConfig,
+    DiskTierConfig,
+    KvtierConfig,
+    RemoteTierConfig,
+    TierConfig,
+)
 from kvtier.errors import ConfigError
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
@@ -36,6 +43,23 @@ def build_tier(config: TierConfig, metrics: StoreMetrics | None = None) -> Tier:
             raise ConfigError(
                 f"tiers[{config.name}].path: cannot use {config.path}: {e.strerror or e}"
             ) from None
+    if isinstance(config, AerospikeTierConfig):
+        try:
+            from kvtier.tiers.aerospike import AerospikeTier
+        except ImportError as e:
+            raise ConfigError(
+                f"tiers[{config.name}]: the Aerospike tier needs the `aerospike` client "
+                f"(pip install -e '.[aerospike]'): {e}"
+            ) from None
+        return AerospikeTier(config, metrics)
+    if isinstance(config, RemoteTierConfig):
+        try:
+            from kvtier.tiers.remote import RemoteTier
+        except ImportError as e:
+            raise ConfigError(
+                f"tiers[{config.name}]: the remote tier needs grpcio (pip install -e '.[server]'): {e}"
+            ) from None
+        return RemoteTier(config)
     raise ConfigError(f"unsupported tier type {config.type!r}")
 
 
