@@ -28,6 +28,7 @@ from kvtier.engine.fetch import (
     describe_model,
     fetch_model,
     file_status,
+    lookup_known,
     resolve_model,
 )
 from kvtier.engine.outputs import RequestOutput
@@ -563,7 +564,8 @@ def engine() -> None:
 @click.option(
     "--served-model-name",
     default=None,
-    help="Model name clients send and /v1/models lists (default: the --model value).",
+    help="Model name clients send and /v1/models lists (default: the known model's name, "
+    "else the file or directory name).",
 )
 @click.option(
     "--max-concurrent-requests",
@@ -571,6 +573,13 @@ def engine() -> None:
     default=256,
     show_default=True,
     help="In-flight HTTP requests beyond which the server answers 429.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a shutdown waits for in-flight requests before aborting them.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress messages on stderr.")
 def serve(**kwargs: Any) -> None:
@@ -593,8 +602,11 @@ def serve(**kwargs: Any) -> None:
     options = ServeOptions(
         host=kwargs["host"],
         port=kwargs["port"],
-        served_model_name=kwargs["served_model_name"] or opts["model"],
+        # a known name ("smollm2") is served under that name; a path under the model's id
+        served_model_name=kwargs["served_model_name"]
+        or (opts["model"] if lookup_known(opts["model"]) else None),
         max_concurrent_requests=kwargs["max_concurrent_requests"],
+        graceful_timeout_s=kwargs["shutdown_timeout"],
     )
     try:
         serve_forever(config, options, quiet=kwargs["quiet"])

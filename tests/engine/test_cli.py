@@ -222,6 +222,7 @@ def test_help_everywhere(args: list[str], needle: str) -> None:
 @pytest.mark.smollm2
 def test_generate_with_smollm2(smollm2: Path) -> None:
     flags = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--chat", "-t", "0", "-n", "12"]
-    result = run(["generate", "-m", str(smollm2), *flags, "What is the capital of France?"])
+    env = {"KVTIER_MODEL_DIR": str(smollm2.parent)}  # resolved by name, as a user would
+    result = run(["generate", "-m", "smollm2", *flags, "What is the capital of France?"], env=env)
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
