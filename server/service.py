@@ -37,7 +37,14 @@ from kvtier.server.config import UNAUTHENTICATED_LABEL, Role, ServerConfig
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.frames import FrameError, decode_put_frame, encode_get_frame
+from kvtier.server.proto.frames import (
+    FrameError,
+    FrameParts,
+    PutFrameView,
+    batches,
+    decode_put_batch,
+    get_frame,
+)
 from kvtier.server.proto.transport import SERVICE_NAME
 from kvtier.server.stats import History
 from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
@@ -316,28 +323,32 @@ class KvCacheService:
         self, tenant: Tenant, request: pb.KeysRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         keys = self._keys(request)
-        scoped = tenant.scope(keys)
-        chunk = self.config.chunk_size
-        hits = 0
-        sent = 0
+        counts = [0, 0]  # hits, bytes sent
         try:
-            for base in range(0, len(scoped), GET_BATCH):
-                blocks = self.store.get(scoped[base : base + GET_BATCH])
-                for j, block in enumerate(blocks):
-                    index = base + j
-                    if block is None:
-                        yield encode_get_frame(index, False)
-                        continue
-                    hits += 1
-                    size = len(block)
-                    view = memoryview(block)
-                    for off in range(0, size, chunk):
-                        yield encode_get_frame(index, True, size, off, view[off : off + chunk])
-                    sent += size
+            yield from batches(self._get_frames(tenant, keys, counts), self.config.chunk_size)
         finally:
             self.metrics.keys.labels(tenant.label, "get", "requested").inc(len(keys))
-            self.metrics.keys.labels(tenant.label, "get", "hit").inc(hits)
-            self.metrics.bytes.labels(tenant.label, "out").inc(sent)
+            self.metrics.keys.labels(tenant.label, "get", "hit").inc(counts[0])
+            self.metrics.bytes.labels(tenant.label, "out").inc(counts[1])
+
+    def _get_frames(
+        self, tenant: Tenant, keys: list[bytes], counts: list[int]
+    ) -> Iterator[FrameParts]:
+        scoped = tenant.scope(keys)
+        chunk = self.config.chunk_size
+        for base in range(0, len(scoped), GET_BATCH):
+            blocks = self.store.get(scoped[base : base + GET_BATCH])
+            for j, block in enumerate(blocks):
+                index = base + j
+                if block is None:
+                    yield get_frame(index, False)
+                    continue
+                size = len(block)
+                view = memoryview(block)
+                for off in range(0, size, chunk):
+                    yield get_frame(index, True, size, off, view[off : off + chunk])
+                counts[0] += 1
+                counts[1] += size
 
     def _put(
         self, tenant: Tenant | None, frames: Iterable[bytes], context: grpc.ServicerContext
@@ -346,7 +357,12 @@ class KvCacheService:
         receiver = _BlockReceiver(self, tenant)
         try:
             for raw in frames:
-                receiver.feed(raw)
+                try:
+                    batch = decode_put_batch(raw)
+                except FrameError as e:
+                    raise invalid(f"malformed PutBatch: {e}") from None
+                for frame in batch:
+                    receiver.feed(frame)
             receiver.finish()
         finally:
             receiver.abandon()
@@ -457,17 +473,13 @@ class _BlockReceiver:
         self._parts: list[memoryview] = []
         self._reserved = 0
 
-    def feed(self, raw: bytes) -> None:
+    def feed(self, frame: PutFrameView) -> None:
         """Take one frame.
 
         Raises:
-            RequestError: the frame is malformed, breaks the stream's order, or
-                exceeds a limit; the stream is refused.
+            RequestError: the frame breaks the stream's order or exceeds a
+                limit; the stream is refused.
         """
-        try:
-            frame = decode_put_frame(raw)
-        except FrameError as e:
-            raise invalid(f"malformed PutFrame: {e}") from None
         cfg = self._svc.config
         if len(frame.key):
             if self._key is not None:

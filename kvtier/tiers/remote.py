@@ -30,7 +30,13 @@ from kvtier.errors import TierUnavailableError, TransientError
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.frames import FrameError, decode_get_frame, encode_put_frame
+from kvtier.server.proto.frames import (
+    FrameError,
+    FrameParts,
+    batches,
+    decode_get_batch,
+    put_frame,
+)
 from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options, method
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.remote_config import RemoteTierConfig
@@ -312,30 +318,31 @@ class RemoteTier(Tier):
         try:
             for raw in stream:
                 try:
-                    f = decode_get_frame(raw)
+                    batch = decode_get_batch(raw)
                 except FrameError as e:
-                    raise self._broken(f"malformed GetFrame: {e}") from None
-                if f.index >= n:
-                    raise self._broken(f"frame for key #{f.index} of {n}")
-                if f.offset == 0:
-                    if cur >= 0:
-                        raise self._broken(f"block #{cur} ended after {got} of {size} bytes")
-                    if seen[f.index]:
-                        raise self._broken(f"key #{f.index} answered twice")
-                    seen[f.index] = True
-                    if not f.found:
-                        continue
-                    cur, size, got, parts = f.index, f.size, 0, []
-                elif f.index != cur or f.offset != got or f.size != size:
-                    raise self._broken(f"out-of-order frame for key #{f.index} at {f.offset}")
-                parts.append(f.data)
-                got += len(f.data)
-                if got > size:
-                    raise self._broken(f"block #{cur} is longer than its declared {size} bytes")
-                if got == size:
-                    # NOTE: the one copy of the block on this side: frames -> bytes.
-                    out[cur] = b"".join(parts)
-                    cur, parts = -1, []
+                    raise self._broken(f"malformed GetBatch: {e}") from None
+                for f in batch:
+                    if f.index >= n:
+                        raise self._broken(f"frame for key #{f.index} of {n}")
+                    if f.offset == 0:
+                        if cur >= 0:
+                            raise self._broken(f"block #{cur} ended after {got} of {size} bytes")
+                        if seen[f.index]:
+                            raise self._broken(f"key #{f.index} answered twice")
+                        seen[f.index] = True
+                        if not f.found:
+                            continue
+                        cur, size, got, parts = f.index, f.size, 0, []
+                    elif f.index != cur or f.offset != got or f.size != size:
+                        raise self._broken(f"out-of-order frame for key #{f.index} at {f.offset}")
+                    parts.append(f.data)
+                    got += len(f.data)
+                    if got > size:
+                        raise self._broken(f"block #{cur} is longer than its declared {size} bytes")
+                    if got == size:
+                        # NOTE: the one copy of the block on this side: frames -> bytes.
+                        out[cur] = b"".join(parts)
+                        cur, parts = -1, []
         finally:
             stream.cancel()  # no-op once finished; frees the call if we stop early
         if cur >= 0:
@@ -377,18 +384,20 @@ class RemoteTier(Tier):
     def _put_batch(
         self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int
     ) -> None:
-        def frames() -> Iterator[bytes]:
+        def frames() -> Iterator[FrameParts]:
             for i in batch:
                 key, block = items[i]
                 view = memoryview(block)
-                yield encode_put_frame(key, len(block), view[:chunk])
+                yield put_frame(key, len(block), view[:chunk])
                 for off in range(chunk, len(block), chunk):
-                    yield encode_put_frame(data=view[off : off + chunk])
+                    yield put_frame(data=view[off : off + chunk])
 
         resp = self._call(
             "put",
             lambda: self._put(
-                frames(), timeout=self.config.transfer_timeout_s, metadata=self._metadata
+                batches(frames(), chunk),
+                timeout=self.config.transfer_timeout_s,
+                metadata=self._metadata,
             ),
         )
         if resp.blocks != len(batch):

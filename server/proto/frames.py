@@ -1,39 +1,48 @@
-"""A copy-lean codec for the two bulk messages, ``GetFrame`` and ``PutFrame``.
+"""A copy-lean codec for the bulk messages: ``GetFrame``/``GetBatch`` and ``PutFrame``/``PutBatch``.
 
-Block bytes cross the wire inside these two messages. Going through the
+Block bytes cross the wire inside these messages. Going through the
 generated protobuf classes costs an extra copy of every data field in each
 direction (``bytes`` into the message, the message into its serialization,
 and the same again when parsing), which is a large share of the time of a
 loopback transfer. This module reads and writes the same protobuf wire format
 by hand:
 
-* **encoding** joins a few header bytes and the data once
-  (``b"".join``), the one copy gRPC's Python API needs anyway;
-* **decoding** returns the data field as a ``memoryview`` into the received
-  message, so the receiver copies it exactly once, when it joins a block's
-  pieces.
+* **encoding** collects the few header bytes of each frame and views of the
+  block data, and joins a whole batch once (``b"".join``) — the one copy
+  gRPC's Python API needs anyway;
+* **decoding** returns the data fields as ``memoryview`` slices of the
+  received message, so the receiver copies block bytes exactly once, when it
+  joins a block's pieces.
 
-The output is byte-for-byte what ``SerializeToString`` of the generated class
-produces (proto3: default values omitted, fields in number order), and the
-parser accepts any valid encoding of the two messages (fields in any order,
-repeated scalars — last wins — and unknown fields, which are skipped). Tests
-check both against the generated classes. Clients in other languages use the
+Frames are packed into batches of at most ``budget`` data bytes (or a single
+frame), so many small blocks share one gRPC message: each message costs
+thread hand-offs in gRPC's Python runtime, whatever its size.
+
+The output is byte-for-byte what ``SerializeToString`` of the generated
+classes produces (proto3: default values omitted, fields in number order),
+and the parser accepts any valid encoding (fields in any order, repeated
+scalars — last wins — and unknown fields, which are skipped). Tests check
+both against the generated classes. Clients in other languages use the
 ``.proto`` as usual.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 # field numbers, from kvtier_cache.proto
 _GET_INDEX, _GET_FOUND, _GET_SIZE, _GET_OFFSET, _GET_DATA = 1, 2, 3, 4, 5
 _PUT_KEY, _PUT_SIZE, _PUT_DATA = 1, 2, 3
+_BATCH_FRAMES = 1
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 
 _EMPTY = memoryview(b"")
+
+Buffer = bytes | memoryview
 
 
 class FrameError(ValueError):
@@ -58,6 +67,13 @@ class PutFrameView(NamedTuple):
     data: memoryview
 
 
+class FrameParts(NamedTuple):
+    """One encoded frame, not yet joined: ``head`` (every field but the data's bytes) and ``data``."""
+
+    head: bytes
+    data: Buffer
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -79,12 +95,13 @@ _T_GET_DATA = _tag(_GET_DATA, _LEN)
 _T_PUT_KEY = _tag(_PUT_KEY, _LEN)
 _T_PUT_SIZE = _tag(_PUT_SIZE, _VARINT)
 _T_PUT_DATA = _tag(_PUT_DATA, _LEN)
+_T_BATCH_FRAMES = _tag(_BATCH_FRAMES, _LEN)
 
 
-def encode_get_frame(
-    index: int, found: bool, size: int = 0, offset: int = 0, data: bytes | memoryview = b""
-) -> bytes:
-    """Serialise a ``GetFrame`` (identical to the generated class's output)."""
+def get_frame(
+    index: int, found: bool, size: int = 0, offset: int = 0, data: Buffer = b""
+) -> FrameParts:
+    """A ``GetFrame``, unjoined."""
     head = bytearray()
     if index:
         head += _T_GET_INDEX + _varint(index)
@@ -96,14 +113,11 @@ def encode_get_frame(
         head += _T_GET_OFFSET + _varint(offset)
     if len(data):
         head += _T_GET_DATA + _varint(len(data))
-        return b"".join((head, data))
-    return bytes(head)
+    return FrameParts(bytes(head), data)
 
 
-def encode_put_frame(
-    key: bytes | memoryview = b"", size: int = 0, data: bytes | memoryview = b""
-) -> bytes:
-    """Serialise a ``PutFrame`` (identical to the generated class's output)."""
+def put_frame(key: Buffer = b"", size: int = 0, data: Buffer = b"") -> FrameParts:
+    """A ``PutFrame``, unjoined."""
     head = bytearray()
     if len(key):
         head += _T_PUT_KEY + _varint(len(key)) + key
@@ -111,11 +125,40 @@ def encode_put_frame(
         head += _T_PUT_SIZE + _varint(size)
     if len(data):
         head += _T_PUT_DATA + _varint(len(data))
-        return b"".join((head, data))
-    return bytes(head)
+    return FrameParts(bytes(head), data)
 
 
-def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+def encode_frame(frame: FrameParts) -> bytes:
+    """One frame as a message of its own (a ``GetFrame`` or ``PutFrame``)."""
+    return b"".join(frame) if len(frame.data) else frame.head
+
+
+def encode_batch(frames: Iterable[FrameParts]) -> bytes:
+    """A ``GetBatch``/``PutBatch`` of ``frames`` (same wire format for both), joined once."""
+    parts: list[Buffer] = []
+    for f in frames:
+        parts.append(_T_BATCH_FRAMES + _varint(len(f.head) + len(f.data)) + f.head)
+        if len(f.data):
+            parts.append(f.data)
+    return b"".join(parts)
+
+
+def batches(frames: Iterable[FrameParts], budget: int) -> Iterator[bytes]:
+    """Encoded batches of consecutive ``frames``, each with at most ``budget`` data bytes (or one frame)."""
+    pending: list[FrameParts] = []
+    held = 0
+    for f in frames:
+        n = len(f.data)
+        if pending and held + n > budget:
+            yield encode_batch(pending)
+            pending, held = [], 0
+        pending.append(f)
+        held += n
+    if pending:
+        yield encode_batch(pending)
+
+
+def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
     result = 0
     shift = 0
     while True:
@@ -131,7 +174,7 @@ def _read_varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
             raise FrameError("varint longer than 10 bytes")
 
 
-def _fields(buf: bytes) -> list[tuple[int, int, int, int]]:
+def _fields(buf: Buffer) -> list[tuple[int, int, int, int]]:
     """``(field, wire_type, value_or_start, end)`` for each field of a message.
 
     For varints ``value_or_start`` is the value (``end`` unused); for
@@ -173,7 +216,7 @@ def _expect(field: int, got: int, want: int) -> None:
         raise FrameError(f"field {field} has wire type {got}, expected {want}")
 
 
-def decode_get_frame(buf: bytes) -> GetFrameView:
+def decode_get_frame(buf: Buffer) -> GetFrameView:
     """Parse a serialised ``GetFrame``.
 
     Raises:
@@ -199,7 +242,7 @@ def decode_get_frame(buf: bytes) -> GetFrameView:
     return GetFrameView(index, found, size, offset, data)
 
 
-def decode_put_frame(buf: bytes) -> PutFrameView:
+def decode_put_frame(buf: Buffer) -> PutFrameView:
     """Parse a serialised ``PutFrame``.
 
     Raises:
@@ -218,3 +261,29 @@ def decode_put_frame(buf: bytes) -> PutFrameView:
             _expect(field, wt, _VARINT)
             size = a & _U64_MAX
     return PutFrameView(key, size, data)
+
+
+def _batch_items(buf: Buffer) -> Iterator[memoryview]:
+    view = memoryview(buf)
+    for field, wt, a, b in _fields(buf):
+        if field == _BATCH_FRAMES:
+            _expect(field, wt, _LEN)
+            yield view[a:b]
+
+
+def decode_get_batch(buf: Buffer) -> list[GetFrameView]:
+    """Parse a serialised ``GetBatch``.
+
+    Raises:
+        FrameError: ``buf`` is not a valid ``GetBatch``.
+    """
+    return [decode_get_frame(item) for item in _batch_items(buf)]
+
+
+def decode_put_batch(buf: Buffer) -> list[PutFrameView]:
+    """Parse a serialised ``PutBatch``.
+
+    Raises:
+        FrameError: ``buf`` is not a valid ``PutBatch``.
+    """
+    return [decode_put_frame(item) for item in _batch_items(buf)]

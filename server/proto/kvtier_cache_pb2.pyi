@@ -39,6 +39,12 @@ class GetFrame(_message.Message):
     data: bytes
     def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class GetBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GetFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GetFrame, _Mapping]]] = ...) -> None: ...
+
 class PutFrame(_message.Message):
     __slots__ = ("key", "size", "data")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +54,12 @@ class PutFrame(_message.Message):
     size: int
     data: bytes
     def __init__(self, key: _Optional[bytes] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[PutFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[PutFrame, _Mapping]]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("blocks", "bytes")

@@ -47,11 +47,11 @@ class KvCacheStub:
         self.Get = channel.unary_stream(
                 '/kvtier.cache.v1.KvCache/Get',
                 request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetFrame.FromString,
+                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvtier.cache.v1.KvCache/Put',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutFrame.SerializeToString,
+                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
                 response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
@@ -89,14 +89,14 @@ class KvCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """The blocks of the keys, in request order, as a stream of frames.
+        """The blocks of the keys, in request order, as a stream of frame batches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
-        """Store blocks sent as a stream of frames; see PutFrame.
+        """Store blocks sent as a stream of frame batches; see PutFrame.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,11 +139,11 @@ def add_KvCacheServicer_to_server(servicer, server):
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetFrame.SerializeToString,
+                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutFrame.FromString,
+                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.FromString,
                     response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
@@ -242,7 +242,7 @@ class KvCache:
             target,
             '/kvtier.cache.v1.KvCache/Get',
             kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetFrame.FromString,
+            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,7 +268,7 @@ class KvCache:
             request_iterator,
             target,
             '/kvtier.cache.v1.KvCache/Put',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutFrame.SerializeToString,
+            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
             kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.FromString,
             options,
             channel_credentials,

@@ -102,11 +102,11 @@ def test_serve_finishes_a_put_in_flight_on_sigterm_and_flushes_to_disk(tmp_path:
         half_sent = threading.Event()
         go_on = threading.Event()
 
-        def slow() -> Iterator[pb.PutFrame]:
-            yield frames[0]
+        def slow() -> Iterator[pb.PutBatch]:
+            yield pb.PutBatch(frames=frames[:1])
             half_sent.set()
             go_on.wait(20)
-            yield from frames[1:]
+            yield pb.PutBatch(frames=frames[1:])
 
         future = s.Put.future(slow(), metadata=auth(TOKENS["alpha"]), timeout=30)
         assert half_sent.wait(10)
@@ -168,10 +168,10 @@ from kvtier.server.proto import kvtier_cache_pb2 as pb, kvtier_cache_pb2_grpc as
 address, key_hex, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 data = bytes(size)
 def frames():
-    yield pb.PutFrame(key=bytes.fromhex(key_hex), size=size, data=data[: size // 2])
+    yield pb.PutBatch(frames=[pb.PutFrame(key=bytes.fromhex(key_hex), size=size, data=data[: size // 2])])
     print("half", flush=True)
     time.sleep(60)
-    yield pb.PutFrame(data=data[size // 2 :])
+    yield pb.PutBatch(frames=[pb.PutFrame(data=data[size // 2 :])])
 pbg.KvCacheStub(grpc.insecure_channel(address)).Put(frames())
 """
 

@@ -121,15 +121,12 @@ MUTATIONS = [
 ]
 
 
-def _frames(k: bytes, data: bytes, mutation: str, draw) -> list[bytes]:
-    """The serialised PutFrames of one block, spoiled as ``mutation`` says."""
+def _frames(k: bytes, data: bytes, mutation: str, draw) -> list[pb.PutFrame | bytes]:
+    """The PutFrames of one block, spoiled as ``mutation`` says (``bytes``: a raw message)."""
 
-    def split(d: bytes, size: int, kk: bytes = k) -> list[bytes]:
-        out = [pb.PutFrame(key=kk, size=size, data=d[:CHUNK]).SerializeToString()]
-        out += [
-            pb.PutFrame(data=d[o : o + CHUNK]).SerializeToString()
-            for o in range(CHUNK, len(d), CHUNK)
-        ]
+    def split(d: bytes, size: int, kk: bytes = k) -> list[pb.PutFrame | bytes]:
+        out: list[pb.PutFrame | bytes] = [pb.PutFrame(key=kk, size=size, data=d[:CHUNK])]
+        out += [pb.PutFrame(data=d[o : o + CHUNK]) for o in range(CHUNK, len(d), CHUNK)]
         return out
 
     if mutation == "ok":
@@ -149,22 +146,36 @@ def _frames(k: bytes, data: bytes, mutation: str, draw) -> list[bytes]:
     if mutation == "short_key":
         return split(data, len(data), kk=k[: draw(st.integers(1, 15))])
     if mutation == "no_key":
-        return [pb.PutFrame(size=len(data), data=data[:CHUNK]).SerializeToString()]
+        return [pb.PutFrame(size=len(data), data=data[:CHUNK])]
     if mutation == "huge":
-        return [
-            pb.PutFrame(key=k, size=MAX_BLOCK + draw(st.integers(1, 1 << 40))).SerializeToString()
-        ]
+        return [pb.PutFrame(key=k, size=MAX_BLOCK + draw(st.integers(1, 1 << 40)))]
     if mutation == "garbage":
         # NOTE: wire type 7 makes it invalid protobuf whatever follows (random bytes
-        # alone may happen to be a valid, empty frame); the codec's own tests fuzz the rest.
+        # alone may happen to be a valid, empty batch); the codec's own tests fuzz the rest.
         return [b"\x0f" + draw(st.binary(max_size=200))]
     if mutation == "oversized_frame":
-        return [
-            pb.PutFrame(
-                key=k, size=MAX_BLOCK, data=b"\0" * (MAX_MESSAGE + 70_000)
-            ).SerializeToString()
-        ]
+        return [pb.PutFrame(key=k, size=MAX_BLOCK, data=b"\0" * (MAX_MESSAGE + 70_000))]
     raise AssertionError(mutation)
+
+
+def _messages(items: list[pb.PutFrame | bytes], per_batch: int) -> list[bytes]:
+    """Consecutive frames packed ``per_batch`` to a PutBatch; raw messages go alone."""
+    out: list[bytes] = []
+    pending: list[pb.PutFrame] = []
+    for item in items:
+        if isinstance(item, bytes):
+            if pending:
+                out.append(pb.PutBatch(frames=pending).SerializeToString())
+                pending = []
+            out.append(item)
+            continue
+        pending.append(item)
+        if len(pending) == per_batch:
+            out.append(pb.PutBatch(frames=pending).SerializeToString())
+            pending = []
+    if pending:
+        out.append(pb.PutBatch(frames=pending).SerializeToString())
+    return out
 
 
 @settings(
@@ -176,13 +187,14 @@ def test_put_streams_with_spoiled_blocks_store_only_the_complete_valid_ones(fuzz
     token = data.draw(tokens, label="token")
     plan = data.draw(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3), label="blocks")
     items = []
-    frames: list[bytes] = []
+    frames: list[pb.PutFrame | bytes] = []
     for mutation in plan:
         i = next(_ids)
         b = block(i, tokens=data.draw(st.integers(1, 400), label="tokens"))
         items.append((key(i), b, mutation))
         frames += _frames(key(i), b, mutation, data.draw)
-    code = _code(lambda: raw_put(iter(frames), metadata=auth(token), timeout=10))
+    messages = _messages(frames, data.draw(st.integers(1, 4), label="frames per batch"))
+    code = _code(lambda: raw_put(iter(messages), metadata=auth(token), timeout=10))
     first_bad = next((j for j, (_, _, m) in enumerate(items) if m != "ok"), None)
     if token != TOKENS["alpha"]:
         assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -199,8 +211,9 @@ def test_put_streams_with_spoiled_blocks_store_only_the_complete_valid_ones(fuzz
     # nothing from the first spoiled block on is readable, and what is stored is exact
     assert not any(present[stored_upto:])
     got = {}
-    for f in s.Get(pb.KeysRequest(keys=[k for k, _, _ in items[:stored_upto]]), metadata=md):
-        got.setdefault(f.index, []).append(f.data)
+    for batch in s.Get(pb.KeysRequest(keys=[k for k, _, _ in items[:stored_upto]]), metadata=md):
+        for f in batch.frames:
+            got.setdefault(f.index, []).append(f.data)
     assert [b"".join(got[j]) for j in range(stored_upto)] == [b for _, b, _ in items[:stored_upto]]
     _alive(s)
     assert server.service.put_budget.used == 0
@@ -209,11 +222,12 @@ def test_put_streams_with_spoiled_blocks_store_only_the_complete_valid_ones(fuzz
 def test_server_still_round_trips_after_the_fuzzing(fuzz_server):
     server, s, raw_put = fuzz_server
     k, b = key(1), block(1, tokens=500)
-    frames = [pb.PutFrame(key=k, size=len(b), data=b[:CHUNK]).SerializeToString()]
-    frames += [
-        pb.PutFrame(data=b[o : o + CHUNK]).SerializeToString() for o in range(CHUNK, len(b), CHUNK)
-    ]
-    assert raw_put(iter(frames), metadata=auth(TOKENS["alpha"]), timeout=10).blocks == 1
-    data = b"".join(f.data for f in s.Get(pb.KeysRequest(keys=[k]), metadata=auth(TOKENS["alpha"])))
+    frames: list[pb.PutFrame | bytes] = [pb.PutFrame(key=k, size=len(b), data=b[:CHUNK])]
+    frames += [pb.PutFrame(data=b[o : o + CHUNK]) for o in range(CHUNK, len(b), CHUNK)]
+    assert (
+        raw_put(iter(_messages(frames, 2)), metadata=auth(TOKENS["alpha"]), timeout=10).blocks == 1
+    )
+    answer = s.Get(pb.KeysRequest(keys=[k]), metadata=auth(TOKENS["alpha"]))
+    data = b"".join(f.data for batch in answer for f in batch.frames)
     assert data == b
     server.store.check_integrity()

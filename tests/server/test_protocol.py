@@ -13,10 +13,15 @@ from hypothesis import strategies as st
 from kvtier.server.proto import kvtier_cache_pb2 as pb
 from kvtier.server.proto.frames import (
     FrameError,
+    batches,
+    decode_get_batch,
     decode_get_frame,
+    decode_put_batch,
     decode_put_frame,
-    encode_get_frame,
-    encode_put_frame,
+    encode_batch,
+    encode_frame,
+    get_frame,
+    put_frame,
 )
 from kvtier.server.proto.generate import HERE, OUTPUTS, generate
 
@@ -78,7 +83,7 @@ u64 = st.integers(0, (1 << 64) - 1)
 def test_get_frame_codec_matches_protobuf(
     index: int, found: bool, size: int, offset: int, data: bytes
 ) -> None:
-    wire = encode_get_frame(index, found, size, offset, data)
+    wire = encode_frame(get_frame(index, found, size, offset, data))
     assert (
         wire
         == pb.GetFrame(
@@ -92,10 +97,47 @@ def test_get_frame_codec_matches_protobuf(
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=40), u64, st.binary(max_size=300))
 def test_put_frame_codec_matches_protobuf(key: bytes, size: int, data: bytes) -> None:
-    wire = encode_put_frame(key, size, data)
+    wire = encode_frame(put_frame(key, size, data))
     assert wire == pb.PutFrame(key=key, size=size, data=data).SerializeToString()
     f = decode_put_frame(wire)
     assert (bytes(f.key), f.size, bytes(f.data)) == (key, size, data)
+
+
+frame_args = st.tuples(u32, st.booleans(), u64, u64, st.binary(max_size=100))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(frame_args, max_size=6))
+def test_get_batch_codec_matches_protobuf(frames: list[tuple[int, bool, int, int, bytes]]) -> None:
+    wire = encode_batch([get_frame(*f) for f in frames])
+    expected = pb.GetBatch(
+        frames=[
+            pb.GetFrame(index=i, found=fd, size=s, offset=o, data=d) for i, fd, s, o, d in frames
+        ]
+    )
+    assert wire == expected.SerializeToString()
+    got = [(f.index, f.found, f.size, f.offset, bytes(f.data)) for f in decode_get_batch(wire)]
+    assert got == frames
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=20), u64, st.binary(max_size=100)), max_size=6))
+def test_put_batch_codec_matches_protobuf(frames: list[tuple[bytes, int, bytes]]) -> None:
+    wire = encode_batch([put_frame(*f) for f in frames])
+    expected = pb.PutBatch(frames=[pb.PutFrame(key=k, size=s, data=d) for k, s, d in frames])
+    assert wire == expected.SerializeToString()
+    assert [(bytes(f.key), f.size, bytes(f.data)) for f in decode_put_batch(wire)] == frames
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=20), st.integers(1, 6000))
+def test_batches_respect_the_data_budget(sizes: list[int], budget: int) -> None:
+    frames = [get_frame(i, True, n, 0, b"x" * n) for i, n in enumerate(sizes)]
+    out = [decode_get_batch(m) for m in batches(frames, budget)]
+    assert [f.index for batch in out for f in batch] == list(range(len(sizes)))  # order kept
+    for batch in out:
+        assert batch, "no empty batches"
+        assert len(batch) == 1 or sum(len(f.data) for f in batch) <= budget
 
 
 def test_decoder_accepts_any_field_order_and_skips_unknown_fields() -> None:
@@ -110,7 +152,7 @@ def test_decoder_accepts_any_field_order_and_skips_unknown_fields() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_decoder_never_crashes_on_garbage(garbage: bytes) -> None:
-    for decode in (decode_get_frame, decode_put_frame):
+    for decode in (decode_get_frame, decode_put_frame, decode_get_batch, decode_put_batch):
         with contextlib.suppress(FrameError):
             decode(garbage)
 

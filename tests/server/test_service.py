@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 import pytest
@@ -31,12 +31,25 @@ def put_frames(k: bytes, data: bytes, chunk: int = 64 * 1024) -> list[pb.PutFram
     return frames
 
 
+def as_batches(frames: Iterable[pb.PutFrame], per_batch: int = 1) -> Iterator[pb.PutBatch]:
+    """Lazily, ``per_batch`` frames to a PutBatch message."""
+    pending: list[pb.PutFrame] = []
+    for f in frames:
+        pending.append(f)
+        if len(pending) == per_batch:
+            yield pb.PutBatch(frames=pending)
+            pending = []
+    if pending:
+        yield pb.PutBatch(frames=pending)
+
+
 def get_blocks(s, keys: list[bytes], token: str | None) -> list[bytes | None]:
     out: list[bytes | None] = [None] * len(keys)
     parts: dict[int, list[bytes]] = {}
-    for f in s.Get(pb.KeysRequest(keys=keys), metadata=auth(token), timeout=10):
-        if f.found:
-            parts.setdefault(f.index, []).append(f.data)
+    for batch in s.Get(pb.KeysRequest(keys=keys), metadata=auth(token), timeout=10):
+        for f in batch.frames:
+            if f.found:
+                parts.setdefault(f.index, []).append(f.data)
     for i, p in parts.items():
         out[i] = b"".join(p)
     return out
@@ -73,7 +86,7 @@ def test_round_trip_with_the_standard_protobuf_client(closed_server) -> None:
     tok = TOKENS["alpha"]
     items = [(key(1000 + i), block(1000 + i, tokens=300)) for i in range(3)]
     for k, b in items:
-        resp = s.Put(iter(put_frames(k, b)), metadata=auth(tok), timeout=10)
+        resp = s.Put(as_batches(put_frames(k, b)), metadata=auth(tok), timeout=10)
         assert (resp.blocks, resp.bytes) == (1, len(b))
     ks = [k for k, _ in items]
     assert s.Lookup(pb.KeysRequest(keys=[*ks, key(1)]), metadata=auth(tok)).prefix_length == 3
@@ -93,7 +106,7 @@ def test_multi_block_put_stream(closed_server) -> None:
     tok = TOKENS["alpha"]
     items = [(key(1100 + i), block(1100 + i, tokens=40 + i)) for i in range(5)]
     frames = [f for k, b in items for f in put_frames(k, b, chunk=1000)]
-    resp = s.Put(iter(frames), metadata=auth(tok), timeout=10)
+    resp = s.Put(as_batches(frames, per_batch=7), metadata=auth(tok), timeout=10)
     assert resp.blocks == 5
     assert get_blocks(s, [k for k, _ in items], tok) == [b for _, b in items]
 
@@ -103,7 +116,7 @@ def test_tenants_cannot_read_detect_or_delete_each_others_blocks(closed_server) 
     a, b = TOKENS["alpha"], TOKENS["beta"]
     k = key(1200)
     block_a, block_b = block(1), block(2)
-    s.Put(iter(put_frames(k, block_a)), metadata=auth(a), timeout=10)
+    s.Put(as_batches(put_frames(k, block_a)), metadata=auth(a), timeout=10)
     assert get_blocks(s, [k], a) == [block_a]
     # beta asks for the very same 16 bytes: nothing there, by any call
     assert s.Lookup(pb.KeysRequest(keys=[k]), metadata=auth(b)).prefix_length == 0
@@ -112,7 +125,7 @@ def test_tenants_cannot_read_detect_or_delete_each_others_blocks(closed_server) 
     assert s.Delete(pb.KeysRequest(keys=[k]), metadata=auth(b)).deleted == 0
     assert get_blocks(s, [k], a) == [block_a]
     # beta's own block under the same key is a different block
-    s.Put(iter(put_frames(k, block_b)), metadata=auth(b), timeout=10)
+    s.Put(as_batches(put_frames(k, block_b)), metadata=auth(b), timeout=10)
     assert get_blocks(s, [k], b) == [block_b]
     assert get_blocks(s, [k], a) == [block_a]
     assert s.Delete(pb.KeysRequest(keys=[k]), metadata=auth(a)).deleted == 1
@@ -133,7 +146,7 @@ def test_closed_server_needs_a_known_token(closed_server) -> None:
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert e.value.details()
     with pytest.raises(grpc.RpcError) as e:
-        s.Put(iter(put_frames(key(1), block(1))), metadata=auth("nope"))
+        s.Put(as_batches(put_frames(key(1), block(1))), metadata=auth("nope"))
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Health answers without a token (load balancers), but not to a wrong one.
     h = s.Health(pb.HealthRequest())
@@ -159,12 +172,12 @@ def test_roles() -> None:
         channel, s = stub(server.address)
         reader, writer, admin = TOKENS["alpha"], TOKENS["beta"], TOKENS["ops"]
         for fn in (
-            lambda: s.Put(iter(put_frames(key(1), block(1))), metadata=auth(reader)),
+            lambda: s.Put(as_batches(put_frames(key(1), block(1))), metadata=auth(reader)),
             lambda: s.Delete(pb.KeysRequest(keys=[key(1)]), metadata=auth(reader)),
         ):
             assert code_of(fn) == grpc.StatusCode.PERMISSION_DENIED
         assert s.Lookup(pb.KeysRequest(keys=[key(1)]), metadata=auth(reader)).prefix_length == 0
-        s.Put(iter(put_frames(key(1), block(1))), metadata=auth(writer))
+        s.Put(as_batches(put_frames(key(1), block(1))), metadata=auth(writer))
         # a reader sees its own row only; an admin sees every tenant
         mine = s.Stats(pb.StatsRequest(), metadata=auth(reader))
         assert [t.name for t in mine.tenants] == ["alpha"]
@@ -286,13 +299,13 @@ def test_bad_puts_get_a_clear_status_and_store_nothing(closed_server, case: int)
     k = key(2000 + case)
     name, frames, code, words = _bad_puts(k)[case]
     with pytest.raises(grpc.RpcError) as e:
-        s.Put(iter(frames), metadata=md, timeout=10)
+        s.Put(as_batches(frames), metadata=md, timeout=10)
     assert e.value.code() == code, name
     assert words in (e.value.details() or ""), (name, e.value.details())
     assert s.Lookup(pb.KeysRequest(keys=[k]), metadata=md).prefix_length == 0, name
     # and the server goes on serving
     good = block(7)
-    s.Put(iter(put_frames(k, good)), metadata=md, timeout=10)
+    s.Put(as_batches(put_frames(k, good)), metadata=md, timeout=10)
     assert get_blocks(s, [k], TOKENS["alpha"]) == [good]
 
 
@@ -310,19 +323,19 @@ def test_put_byte_budget_refuses_while_full(closed_server) -> None:
         yield from frames[1:]
 
     # two streams reserve ~2 MiB together (the budget); the third is refused
-    f1 = s.Put.future(slow_frames(key(3001)), metadata=md, timeout=20)
-    f2 = s.Put.future(slow_frames(key(3002)), metadata=md, timeout=20)
+    f1 = s.Put.future(as_batches(slow_frames(key(3001))), metadata=md, timeout=20)
+    f2 = s.Put.future(as_batches(slow_frames(key(3002))), metadata=md, timeout=20)
     deadline = time.monotonic() + 5
     while server.service.put_budget.used < 2 * len(big) and time.monotonic() < deadline:
         time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as e:
-        s.Put(iter(put_frames(key(3003), big)), metadata=md, timeout=10)
+        s.Put(as_batches(put_frames(key(3003), big)), metadata=md, timeout=10)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many bytes at once" in e.value.details()
     release.set()
     assert f1.result().blocks == 1 and f2.result().blocks == 1
     assert server.service.put_budget.used == 0
-    s.Put(iter(put_frames(key(3003), big)), metadata=md, timeout=10)
+    s.Put(as_batches(put_frames(key(3003), big)), metadata=md, timeout=10)
 
 
 def test_cancelled_put_stream_leaves_no_partial_block(closed_server) -> None:
@@ -341,7 +354,7 @@ def test_cancelled_put_stream_leaves_no_partial_block(closed_server) -> None:
         yield from frames[len(frames) // 2 :]
 
     before = metric(server, "kvtier_server_incomplete_puts_total")
-    future = s.Put.future(cut_off(), metadata=md, timeout=20)
+    future = s.Put.future(as_batches(cut_off()), metadata=md, timeout=20)
     assert sent_half.wait(5)
     time.sleep(0.2)
     future.cancel()
@@ -360,7 +373,7 @@ def test_open_server_serves_anonymous_but_refuses_wrong_tokens() -> None:
         assert server.config.is_open  # loopback default
         channel, s = stub(server.address)
         k = key(1)
-        s.Put(iter(put_frames(k, block(1))))
+        s.Put(as_batches(put_frames(k, block(1))))
         assert s.Lookup(pb.KeysRequest(keys=[k])).prefix_length == 1
         # anonymous is a tenant of its own
         assert s.Lookup(pb.KeysRequest(keys=[k]), metadata=auth(TOKENS["alpha"])).prefix_length == 0
