@@ -99,7 +99,9 @@ def bench_tier(
         # Fresh keys each round so every put really stores.
         state["round"] += 1
         r = state["round"].to_bytes(4, "little")
-        tier.put([(r + k[4:], src.tobytes()) for (k, _), src in zip(items, sources, strict=True)])
+        # NOTE: k[:12] (the low bytes, which differ per block and per size) after the
+        # round number: every block of every round gets its own key.
+        tier.put([(r + k[:12], src.tobytes()) for (k, _), src in zip(items, sources, strict=True)])
 
     put_s = timeit(put, repeat=repeat, min_time=0.02)
     tier.put(items)
