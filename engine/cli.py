@@ -8,6 +8,7 @@ go to stderr, so ``kvtier generate ... > out.txt`` captures only the text.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -486,7 +487,8 @@ def chat(**kwargs: Any) -> None:
     stdin = sys.stdin
     interactive = stdin.isatty()
     if interactive:
-        import readline  # noqa: F401 - line editing and history for input()
+        with contextlib.suppress(ImportError):  # line editing and history for input()
+            import readline  # noqa: F401
     if not quiet:
         click.echo(f"chatting with {llm.engine.model_id}; {_CHAT_HELP}", err=True)
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

@@ -29,7 +29,7 @@ from kvtier.engine.server.errors import (
 from kvtier.engine.server.generation import EngineClient
 from kvtier.engine.server.metrics import ServerMetrics
 from kvtier.engine.server.protocol import ModelCard, ModelList
-from kvtier.engine.server.state import ServerLimits, ServerState
+from kvtier.engine.server.state import ServerLimits, ServerState, engine_alive
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,6 @@ def connector_registry(engine: object) -> CollectorRegistry | None:
         if isinstance(registry, CollectorRegistry):
             return registry
     return None
-
-
-def engine_alive(engine: object) -> bool:
-    """False when the engine reports that its loop stopped (``is_running``/``errored``)."""
-    if getattr(engine, "errored", False) is True:
-        return False
-    running = getattr(engine, "is_running", None)
-    return running is not False
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -123,8 +115,11 @@ def create_app(
     app = FastAPI(
         title="kvtier engine",
         summary="OpenAI-compatible API of kvtier's bundled paged-attention engine",
-        docs_url="/docs",
+        # NOTE: no OpenAPI pages: the handlers parse bodies themselves (strict
+        # types, OpenAI error bodies), so a generated schema would be empty.
+        docs_url=None,
         redoc_url=None,
+        openapi_url=None,
     )
     app.state.kvtier = state
     app.add_exception_handler(APIError, handle_api_error)

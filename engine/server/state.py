@@ -13,6 +13,11 @@ from kvtier.engine.server.generation import EngineClient
 from kvtier.engine.server.metrics import ServerMetrics
 
 
+def engine_alive(engine: object) -> bool:
+    """False once the engine says its loop is not running (``is_running``)."""
+    return getattr(engine, "is_running", True) is not False
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Bounds that keep one client from exhausting the server.
@@ -70,10 +75,13 @@ class ServerState:
         """Takes a generation slot; returns its (idempotent) release function.
 
         Raises:
-            APIError: 503 while shutting down, 429 when every slot is taken.
+            APIError: 503 while shutting down or when the engine stopped, 429
+                when every slot is taken.
         """
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        if not engine_alive(self.engine):
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
         if self.in_flight >= self.limits.max_concurrent_requests:
             raise APIError(
                 429,

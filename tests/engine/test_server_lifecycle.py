@@ -164,6 +164,19 @@ def test_shutdown_aborts_what_outlives_the_grace_period(tiny: Path) -> None:
         s.close()
 
 
+def test_a_stopped_engine_is_503(tiny: Path) -> None:
+    s = start_stack(tiny)
+    try:
+        assert s.client.get("/health").json() == {"status": "ok"}
+        s.engine.shutdown()
+        health = s.client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "engine_stopped"})
+        r = s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        s.close()
+
+
 def test_sigterm_finishes_in_flight_requests_then_exits(tiny: Path, tmp_path: Path) -> None:
     """``kvtier engine serve`` with the kvtier connector (CPU + disk): SIGTERM lets the
     stream finish, shuts the engine down (the connector writes its chunks to disk) and exits 0."""
