@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.server.body import parse_body, read_body
@@ -27,7 +28,11 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         req = parse_body(await read_body(request, state.limits.max_body_bytes), CompletionRequest)
         check_model(req.model, state.served_names)
         engine = state.engine
-        inputs = completion_inputs(req, engine.tokenizer, engine.max_model_len)
+        # NOTE: tokenizing (and rendering a template) can take a while for a
+        # long prompt; a worker thread keeps the event loop streaming meanwhile.
+        inputs = await run_in_threadpool(
+            completion_inputs, req, engine.tokenizer, engine.max_model_len
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = Generation(engine, rid, inputs.prompts, inputs.params)

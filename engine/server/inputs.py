@@ -93,7 +93,14 @@ def _params(
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
+    renames: dict[str, str] | None = None,
 ) -> SamplingParams:
+    """The request's ``SamplingParams``, validated.
+
+    Args:
+        renames: Engine field name -> request field name, so an error names
+            the field the client sent (``max_completion_tokens``, ``top_logprobs``).
+    """
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -109,11 +116,19 @@ def _params(
     try:
         params.validate(vocab_size)
     except InvalidRequestError as e:
-        raise from_invalid_request(e) from None
+        err = from_invalid_request(e)
+        err.param = (renames or {}).get(err.param or "", err.param)
+        raise err from None
     return params
 
 
-def _check_length(ids: list[int], max_tokens: int | None, max_model_len: int, label: str) -> None:
+def _check_length(
+    ids: list[int],
+    max_tokens: int | None,
+    max_model_len: int,
+    label: str,
+    max_tokens_field: str = "max_tokens",
+) -> None:
     if not ids:
         param = "messages" if label == "conversation" else "prompt"
         raise bad_request(f"{label} is empty", param=param, code="invalid_value")
@@ -131,7 +146,7 @@ def _check_length(ids: list[int], max_tokens: int | None, max_model_len: int, la
             f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the {label}, {max_tokens} "
             f"for the completion). Please reduce the {label} or max_tokens "
             f"(at most {max_model_len - len(ids)} here).",
-            param="max_tokens",
+            param=max_tokens_field,
             code="context_length_exceeded",
         )
 
@@ -235,11 +250,11 @@ def chat_inputs(
         raise from_invalid_request(e) from None
     # NOTE: the template places any BOS text itself; do not add another.
     ids = tokenizer.encode(text, add_special_tokens=False)
-    requested = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    _check_length(ids, requested, max_model_len, "conversation")
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if field == "max_completion_tokens" else req.max_tokens
+    renames = {"max_tokens": field, "logprobs": "top_logprobs"}
+    _check_length(ids, requested, max_model_len, "conversation", field)
     max_tokens = requested if requested is not None else max_model_len - len(ids)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(req, max_tokens, logprobs, tokenizer.vocab_size)
+    params = _params(req, max_tokens, logprobs, tokenizer.vocab_size, renames)
     return EngineInputs([ids], params)

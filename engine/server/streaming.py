@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -41,30 +41,40 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    """A ``text/event-stream`` response that always closes its body iterator.
+    """A ``text/event-stream`` response that always cleans up after itself.
 
-    Closing the iterator runs the body's ``finally`` (which aborts the
-    engine requests) even when the client disconnected and the send failed.
+    Whatever ends the response — the last event, a client that disconnected,
+    a send that failed, a response that never started — ``close`` runs (it
+    aborts unfinished engine requests) and then ``release`` (frees the slot).
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        close: Callable[[], Awaitable[None]],
+        release: Callable[[], None],
+    ) -> None:
         super().__init__(
             content,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._content = content
+        self._close = close
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self._content, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            self._release()
+            try:
+                aclose = getattr(self._content, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._close()
+            finally:
+                self._release()
 
 
 async def start_stream(
@@ -110,7 +120,7 @@ async def start_stream(
             await outputs.aclose()
             await generation.close()
 
-    return SSEResponse(body(), release)
+    return SSEResponse(body(), generation.close, release)
 
 
 async def collect_unless_disconnected(
