@@ -138,10 +138,8 @@ def test_breaker_opens_while_the_server_is_down_and_recovers_when_it_returns() -
             tier.contains([key(1)])
         assert not isinstance(e.value, TierUnavailableError)
     assert tier.breaker.state.value == "open"
-    start = time.monotonic()
-    with pytest.raises(TierUnavailableError):
+    with pytest.raises(TierUnavailableError, match="circuit breaker open"):
         tier.get([key(1)])
-    assert time.monotonic() - start < 0.1
     # a store treats the dead tier as a miss and counts it
     store = TieredStore([CpuTier(1 << 20), tier])
     assert store.lookup([key(1)]) == 0
@@ -166,19 +164,19 @@ def test_breaker_opens_while_the_server_is_down_and_recovers_when_it_returns() -
 
 
 def test_timeouts_are_transient_and_retried_a_bounded_number_of_times() -> None:
-    slow = FlakyTier("slow", delay=0.6)
+    slow = FlakyTier("slow", delay=1.0)
     store = TieredStore([slow])
     with running_server(server_config(http_port=None), store=store) as server:
         tier = remote(server, timeout_s=0.2, retries=2, retry_backoff_s=0.01, breaker_failures=10)
         tier.limits()  # Health does not touch the store
         before = requests_of(server, "Exists")
-        start = time.monotonic()
         with pytest.raises(RemoteRetryableError) as e:
             tier.contains([key(1)])
-        elapsed = time.monotonic() - start
         assert "DEADLINE_EXCEEDED" in str(e.value)
-        assert 0.6 <= elapsed < 3.0  # three attempts of 0.2 s, not the server's 0.6 s each
+        # three attempts (the first and two retries), each cut short by its deadline
         _wait_until(lambda: requests_of(server, "Exists") == before + 3)
+        assert slow.calls.count("contains") == 3
+        assert tier.breaker.consecutive_failures == 1  # one logical call failed
         tier.close()
 
 
