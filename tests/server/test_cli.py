@@ -261,3 +261,31 @@ def test_serve_refuses_a_bad_config_with_a_clear_message(tmp_path: Path) -> None
     result = CliRunner().invoke(main, ["serve", "--config", str(path)])
     assert result.exit_code != 0
     assert "server.threads" in result.output
+
+
+def test_loader_uses_an_integrated_server_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once KvtierConfig has a ``server`` field, the whole file goes through load_config."""
+    import yaml
+
+    import kvtier.server.loader as loader
+    from kvtier.config import KvtierConfig
+    from kvtier.server.config import ServerConfig
+
+    class WithServer(KvtierConfig):
+        server: ServerConfig = ServerConfig()
+
+    def fake_load_config(path, *, env=None, overrides=None):
+        data = yaml.safe_load(Path(path).read_text())
+        data.update(overrides or {})
+        return WithServer.model_validate(data)
+
+    monkeypatch.setattr(loader, "KvtierConfig", WithServer)
+    monkeypatch.setattr(loader, "load_config", fake_load_config)
+    path = tmp_path / "k.yaml"
+    path.write_text("server:\n  port: 7001\n  threads: 3\n")
+    server, store = load_server_config(path, env={}, overrides={"threads": 5})
+    assert (server.port, server.threads) == (7001, 5)
+    assert isinstance(store, WithServer)
+    assert Path(store.tiers[1].path) == SERVER_DISK_DIR  # type: ignore[union-attr]
