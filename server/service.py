@@ -19,6 +19,7 @@ from importlib import metadata
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvtier.block import verify_block
 from kvtier.errors import CorruptBlockError
@@ -60,6 +61,14 @@ T = TypeVar("T")
 
 def _identity(b: bytes) -> bytes:
     return b
+
+
+def _parse(message_type: type[Message], raw: bytes) -> Any:
+    """Deserialize a request; a malformed one is INVALID_ARGUMENT (gRPC would answer INTERNAL)."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as e:
+        raise invalid(f"malformed {message_type.__name__}: {e}") from None
 
 
 def server_version() -> str:
@@ -145,18 +154,18 @@ class KvCacheService:
         """The service's handlers, for ``grpc.Server.add_generic_rpc_handlers``."""
         handlers = {
             "Lookup": grpc.unary_unary_rpc_method_handler(
-                self._unary("Lookup", "reader", self._lookup),
-                request_deserializer=pb.KeysRequest.FromString,
+                self._unary("Lookup", "reader", self._lookup, pb.KeysRequest),
+                request_deserializer=_identity,
                 response_serializer=pb.LookupResponse.SerializeToString,
             ),
             "Exists": grpc.unary_unary_rpc_method_handler(
-                self._unary("Exists", "reader", self._exists),
-                request_deserializer=pb.KeysRequest.FromString,
+                self._unary("Exists", "reader", self._exists, pb.KeysRequest),
+                request_deserializer=_identity,
                 response_serializer=pb.ExistsResponse.SerializeToString,
             ),
             "Get": grpc.unary_stream_rpc_method_handler(
-                self._stream_out("Get", "reader", self._get),
-                request_deserializer=pb.KeysRequest.FromString,
+                self._stream_out("Get", "reader", self._get, pb.KeysRequest),
+                request_deserializer=_identity,
                 response_serializer=_identity,
             ),
             "Put": grpc.stream_unary_rpc_method_handler(
@@ -165,18 +174,18 @@ class KvCacheService:
                 response_serializer=pb.PutResponse.SerializeToString,
             ),
             "Delete": grpc.unary_unary_rpc_method_handler(
-                self._unary("Delete", "writer", self._delete),
-                request_deserializer=pb.KeysRequest.FromString,
+                self._unary("Delete", "writer", self._delete, pb.KeysRequest),
+                request_deserializer=_identity,
                 response_serializer=pb.DeleteResponse.SerializeToString,
             ),
             "Stats": grpc.unary_unary_rpc_method_handler(
-                self._unary("Stats", "reader", self._stats),
-                request_deserializer=pb.StatsRequest.FromString,
+                self._unary("Stats", "reader", self._stats, pb.StatsRequest),
+                request_deserializer=_identity,
                 response_serializer=pb.StatsResponse.SerializeToString,
             ),
             "Health": grpc.unary_unary_rpc_method_handler(
-                self._unary("Health", None, self._health),
-                request_deserializer=pb.HealthRequest.FromString,
+                self._unary("Health", None, self._health, pb.HealthRequest),
+                request_deserializer=_identity,
                 response_serializer=pb.HealthResponse.SerializeToString,
             ),
         }
@@ -224,7 +233,10 @@ class KvCacheService:
         method: str,
         role: Role | None,
         fn: Callable[[Tenant | None, Any, grpc.ServicerContext], T],
+        request_type: type[Message] | None = None,
     ) -> Callable[[Any, grpc.ServicerContext], T]:
+        """Wrap ``fn``: parse (if ``request_type``), authenticate, authorize, count, map errors."""
+
         def handler(request: Any, context: grpc.ServicerContext) -> T:
             start = time.perf_counter()
             self._enter()
@@ -237,6 +249,8 @@ class KvCacheService:
                 if tenant is not None:
                     label = tenant.label
                 self._authorize(tenant, role)
+                if request_type is not None:
+                    request = _parse(request_type, request)
                 result = fn(tenant, request, context)
                 code = grpc.StatusCode.OK
                 return result
@@ -263,6 +277,7 @@ class KvCacheService:
         method: str,
         role: Role,
         fn: Callable[[Tenant, Any, grpc.ServicerContext], Iterator[bytes]],
+        request_type: type[Message],
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[bytes]]:
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
             start = time.perf_counter()
@@ -277,7 +292,7 @@ class KvCacheService:
                     label = tenant.label
                 self._authorize(tenant, role)
                 assert tenant is not None
-                yield from fn(tenant, request, context)
+                yield from fn(tenant, _parse(request_type, request), context)
                 code = grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED
             except RequestError as e:
                 code = e.code

@@ -53,6 +53,32 @@ def fuzz_server():
         )
         yield server, s, raw_put
         channel.close()
+        raw = _RAW_CHANNELS.pop(server.address, None)
+        if raw is not None:
+            raw.close()
+
+
+_RAW_CHANNELS: dict[str, grpc.Channel] = {}
+
+
+def _raw_channel(server) -> grpc.Channel:
+    if server.address not in _RAW_CHANNELS:
+        _RAW_CHANNELS[server.address] = grpc.insecure_channel(server.address)
+    return _RAW_CHANNELS[server.address]
+
+
+def server_channel_unary(server, name: str):
+    """A call of ``name`` that sends the given bytes as its request, unparsed."""
+    return _raw_channel(server).unary_unary(
+        method(name), request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+
+
+def server_channel_unary_stream(server, name: str):
+    call = _raw_channel(server).unary_stream(
+        method(name), request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    return lambda req, **kw: list(call(req, **kw))
 
 
 def _code(fn) -> grpc.StatusCode:
@@ -231,3 +257,22 @@ def test_server_still_round_trips_after_the_fuzzing(fuzz_server):
     data = b"".join(f.data for batch in answer for f in batch.frames)
     assert data == b
     server.store.check_integrity()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    call=st.sampled_from(["Lookup", "Exists", "Get", "Delete", "Stats"]),
+    body=st.binary(max_size=60),
+)
+def test_requests_that_are_not_protobuf_are_invalid_arguments(fuzz_server, call, body):
+    server, s, _ = fuzz_server
+    channel_call = (
+        server_channel_unary_stream(server, call)
+        if call == "Get"
+        else server_channel_unary(server, call)
+    )
+    code = _code(lambda: channel_call(b"\x0f" + body, metadata=auth(TOKENS["alpha"]), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    _alive(s)
