@@ -257,6 +257,8 @@ class RemoteTier(Tier):
         )
 
     def _batches(self, n: int) -> Iterator[tuple[int, int]]:
+        if n == 0:
+            return  # nothing to ask: no call, not even Health
         step = self.limits().max_keys_per_call
         for start in range(0, n, step):
             yield start, min(n, start + step)

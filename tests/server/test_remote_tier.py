@@ -46,6 +46,7 @@ def test_round_trip_and_the_tier_contract() -> None:
         assert tier.delete([key(0), key(7)]) == 1
         assert tier.prefix_length(ks) == 0
         assert tier.get([]) == [] and tier.contains([]) == [] and tier.put([]) == []
+        assert tier.prefix_length([]) == 0 and tier.delete([]) == 0
         assert tier.usage().used_bytes == sum(len(b) for _, b in items[1:])
         tier.close()
 
@@ -121,6 +122,14 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_empty_calls_never_touch_the_network() -> None:
+    tier = remote(f"127.0.0.1:{free_port()}", retries=0, breaker_failures=1)  # nobody listens
+    assert tier.get([]) == [] and tier.contains([]) == [] and tier.put([]) == []
+    assert tier.prefix_length([]) == 0 and tier.delete([]) == 0
+    assert tier.breaker.state.value == "closed"
+    tier.close()
 
 
 def test_breaker_opens_while_the_server_is_down_and_recovers_when_it_returns() -> None:
