@@ -89,8 +89,18 @@ def _start_serve(tmp: Path) -> tuple[subprocess.Popen[str], str, int]:
     return proc, f"127.0.0.1:{grpc_port}", http_port
 
 
+def _inflight(http_port: int) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvtier_server_inflight_requests "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def test_serve_finishes_a_put_in_flight_on_sigterm_and_flushes_to_disk(tmp_path: Path) -> None:
-    proc, address, _ = _start_serve(tmp_path)
+    proc, address, http_port = _start_serve(tmp_path)
     try:
         channel, s = stub(address)
         data = block(3, tokens=4000)
@@ -110,7 +120,10 @@ def test_serve_finishes_a_put_in_flight_on_sigterm_and_flushes_to_disk(tmp_path:
 
         future = s.Put.future(slow(), metadata=auth(TOKENS["alpha"]), timeout=30)
         assert half_sent.wait(10)
-        time.sleep(0.3)  # the first frame is at the server
+        deadline = time.monotonic() + 10
+        while _inflight(http_port) < 1:  # the server is inside the Put call
+            assert time.monotonic() < deadline, "the Put never reached the server"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # the server is draining now
         assert proc.poll() is None, "the server quit with a call in flight"
