@@ -209,7 +209,10 @@ def test_a_client_killed_mid_stream_leaves_no_partial_block() -> None:
         try:
             assert child.stdout is not None
             assert child.stdout.readline().strip() == "half"
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while server.service.put_budget.used == 0:  # the server holds the half block
+                assert time.monotonic() < deadline, "the Put never reached the server"
+                time.sleep(0.02)
         finally:
             child.kill()
             child.wait()
