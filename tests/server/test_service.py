@@ -356,7 +356,10 @@ def test_cancelled_put_stream_leaves_no_partial_block(closed_server) -> None:
     before = metric(server, "kvtier_server_incomplete_puts_total")
     future = s.Put.future(as_batches(cut_off()), metadata=md, timeout=20)
     assert sent_half.wait(5)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while server.service.put_budget.used == 0:  # the server holds part of the block
+        assert time.monotonic() < deadline, "the Put never reached the server"
+        time.sleep(0.02)
     future.cancel()
     deadline = time.monotonic() + 5
     while metric(server, "kvtier_server_incomplete_puts_total") == before:
