@@ -325,8 +325,9 @@ def test_put_byte_budget_refuses_while_full(closed_server) -> None:
     # two streams reserve ~2 MiB together (the budget); the third is refused
     f1 = s.Put.future(as_batches(slow_frames(key(3001))), metadata=md, timeout=20)
     f2 = s.Put.future(as_batches(slow_frames(key(3002))), metadata=md, timeout=20)
-    deadline = time.monotonic() + 5
-    while server.service.put_budget.used < 2 * len(big) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10
+    while server.service.put_budget.used < 2 * len(big):
+        assert time.monotonic() < deadline, "the two streams never reserved their blocks"
         time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as e:
         s.Put(as_batches(put_frames(key(3003), big)), metadata=md, timeout=10)
