@@ -312,7 +312,7 @@ class KvtierConnector(KVConnector):
         kv = self._kv_cache
         if kv.is_cuda and self._encoding != Encoding.RAW:
             # Fused gather + quantize on the device; the saver only encodes.
-            q = gather_kv_quantized(kv, slots, self._encoding.label)  # type: ignore[arg-type]
+            q = gather_kv_quantized(kv, slots, self._encoding.label)
             # A blocking copy: the saver thread must not see a copy still in flight.
             self._saver.submit(key, type(q)(q.data.cpu(), q.scales.cpu()), kv.dtype)
         else:

@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+@dataclass(frozen=True)
+class _Pending:
+    key: bytes
+    chunk: torch.Tensor | QuantizedChunk
+    kv_dtype: torch.dtype
+
+
 @dataclass
 class SaveStats:
     """What the saver did."""
@@ -72,7 +79,7 @@ class ChunkSaver:
     ) -> bool:
         """Queue a chunk: ``[L, 2, T, H, D]`` in ``kv_dtype``, or already quantized from it."""
         try:
-            self._queue.put_nowait((key, chunk, kv_dtype))
+            self._queue.put_nowait(_Pending(key, chunk, kv_dtype))
             return True
         except queue.Full:
             self.stats.chunks_dropped += 1
@@ -102,7 +109,7 @@ class ChunkSaver:
         if not isinstance(chunk, QuantizedChunk):
             if self._encoding == Encoding.RAW:
                 return encode_block(chunk, compression=self._compression)
-            chunk = quantize_chunk(chunk, self._encoding.label)  # type: ignore[arg-type]
+            chunk = quantize_chunk(chunk, self._encoding.label)
         return encode_block(
             chunk.data.cpu(),
             encoding=Encoding.parse(chunk.encoding),
@@ -117,7 +124,8 @@ class ChunkSaver:
             try:
                 if item is _STOP:
                     return
-                key, chunk, kv_dtype = item  # type: ignore[misc]
+                assert isinstance(item, _Pending)
+                key, chunk, kv_dtype = item.key, item.chunk, item.kv_dtype
                 with self._metrics.time_stage("save"):
                     block = self.encode(chunk, kv_dtype)
                     self._store.put([(key, block)])
