@@ -19,6 +19,7 @@ from tests.engine.test_server import Stack, sse_events, start_stack
 from tests.engine.tiny_models import write_tiny_model
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "engine-server.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 DOC_URL = "http://127.0.0.1:8000"
 NAME = "smollm2"  # the docs' model name, served here by a tiny random-weight model
 
@@ -92,16 +93,18 @@ def test_completions_models_and_errors_with_the_openai_client(client: openai.Ope
 # ---- the docs' examples -------------------------------------------------------------------------
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
+def _blocks(lang: str, doc: Path = DOC) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)
 
 
 def _curl_commands() -> list[str]:
-    commands = []
-    for block in _blocks("bash"):
-        for command in block.replace("\\\n", " ").splitlines():
-            if command.startswith("curl "):
-                commands.append(command)
+    """The curl examples of docs/engine-server.md and of the README (which repeats some)."""
+    commands: list[str] = []
+    for doc in (DOC, README):
+        for block in _blocks("bash", doc):
+            for command in block.replace("\\\n", " ").splitlines():
+                if command.startswith("curl ") and command not in commands:
+                    commands.append(command)
     return commands
 
 
