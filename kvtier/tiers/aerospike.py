@@ -215,7 +215,7 @@ class AerospikeTier(Tier):
             self._stats.failure("connect")
             self._breaker.trip()
         except ConfigError as e:
-            log.error("aerospike tier %r: %s", self.name, e)
+            log.error("%s", e)
             self._stats.failure("config")
 
     # -- public helpers ------------------------------------------------------------
