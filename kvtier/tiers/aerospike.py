@@ -87,6 +87,13 @@ from kvtier.tiers.aerospike_layout import (
     ManifestError,
 )
 from kvtier.tiers.aerospike_metrics import AerospikeMetrics, AerospikeStats, StatsRecorder
+from kvtier.tiers.aerospike_namespace import (
+    RecordLimits,
+    check_ttl,
+    client_config,
+    parse_info,
+    record_limits,
+)
 from kvtier.tiers.base import Tier, TierUsage
 
 log = logging.getLogger(__name__)
@@ -94,24 +101,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ROW_OVERHEAD = 64  # bytes a batch row adds besides its payload (digest, fields, op header)
-_DEFAULT_MAX_RECORD_SIZE = 1024 * 1024  # what a server that reports no cap is assumed to take
-
-
-@dataclass(frozen=True)
-class RecordLimits:
-    """What the tier learned about record sizes at connect.
-
-    Attributes:
-        max_record_size: The smallest ``max-record-size`` of the cluster's nodes.
-        segment_size: The largest block stored as one record, and the payload
-            of each segment record of larger blocks.
-        source: Where ``max_record_size`` came from: ``max-record-size``,
-            ``write-block-size`` or ``assumed``.
-    """
-
-    max_record_size: int
-    segment_size: int
-    source: str
 
 
 @dataclass(frozen=True)
@@ -236,7 +225,7 @@ class AerospikeTier(Tier):
                 try:
                     # NOTE: the 19.x client connects in aerospike.client(); connect()
                     # is then a no-op kept for older clients.
-                    client = aerospike.client(self._client_config()).connect()
+                    client = aerospike.client(client_config(self.config)).connect()
                 except aerospike_exception.AerospikeError as e:
                     raise self._error(e) from None
                 self._client = client
@@ -423,32 +412,6 @@ class AerospikeTier(Tier):
     def _hosts_text(self) -> str:
         return ",".join(str(h) for h in self.config.hosts)
 
-    def _client_config(self) -> dict[str, Any]:
-        c = self.config
-        read = {
-            "total_timeout": c.total_timeout_ms,
-            "socket_timeout": c.socket_timeout_ms,
-            "max_retries": 0,
-        }
-        write = {**self._write_policy}
-        cfg: dict[str, Any] = {
-            "hosts": c.host_list(),
-            "connect_timeout": c.connect_timeout_ms,
-            "max_conns_per_node": c.max_conns_per_node,
-            "policies": {
-                "read": read,
-                "batch": read,
-                "write": write,
-                "operate": write,
-                "remove": write,
-                "batch_parent_write": write,
-                "info": {"timeout": c.connect_timeout_ms},
-            },
-        }
-        if c.cluster_name:
-            cfg["cluster_name"] = c.cluster_name
-        return cfg
-
     def _info(
         self, client: Any, command: str, sep: str, *, retry: bool = True
     ) -> list[dict[str, str]]:
@@ -466,83 +429,29 @@ class AerospikeTier(Tier):
                 replies = call()
             except aerospike_exception.AerospikeError as e:
                 raise self._error(e) from None
-        out = []
-        for node, (err, text) in replies.items():
-            if err is not None:
-                raise AerospikeTransientError(f"info {command!r} failed on node {node}: {err}", -1)
-            text = (text or "").strip()
-            if text.startswith(command + "\t"):
-                text = text[len(command) + 1 :]
-            pairs = (p.split("=", 1) for p in text.strip(sep).split(sep) if "=" in p)
-            out.append({k: v for k, v in pairs})
-        return out
+        try:
+            return parse_info(command, replies, sep)
+        except ValueError as e:
+            raise AerospikeTransientError(str(e), -1) from None
 
     def _learn_limits(self, client: Any) -> RecordLimits:
-        c = self.config
-        infos = self._info(client, f"namespace/{c.namespace}", ";")
-        if not infos or any(
-            i.get("type") == "unknown" or i.get("ns_type") == "unknown" for i in infos
-        ):
-            raise ConfigError(
-                f"aerospike tier {self.name!r}: namespace {c.namespace!r} does not exist on {self._hosts_text()}"
+        infos = self._info(client, f"namespace/{self.config.namespace}", ";")
+        limits = record_limits(self.config, infos, self._hosts_text())
+        if not check_ttl(self.config, infos):
+            log.warning(
+                "aerospike tier %r: records in %r never expire: orphan segments of crashed writers "
+                "are never reclaimed and the namespace cannot evict them",
+                self.name,
+                self.config.namespace,
             )
-        sizes, source = [], "assumed"
-        for info in infos:
-            for field, name in (
-                ("max-record-size", "max-record-size"),
-                ("storage-engine.write-block-size", "write-block-size"),
-                ("write-block-size", "write-block-size"),
-            ):
-                if int(info.get(field, "0") or 0) > 0:
-                    sizes.append(int(info[field]))
-                    source = name
-                    break
-        max_record = min(sizes) if sizes else _DEFAULT_MAX_RECORD_SIZE
-        if c.segment_size is not None:
-            if c.segment_size + _ROW_OVERHEAD > max_record:
-                raise ConfigError(
-                    f"aerospike tier {self.name!r}: segment_size {c.segment_size} does not fit the "
-                    f"namespace's max-record-size {max_record} with record overhead; lower segment_size"
-                )
-            segment, source = c.segment_size, "override"
-        else:
-            segment = max_record - c.record_size_margin
-            if segment < 1024:
-                raise ConfigError(
-                    f"aerospike tier {self.name!r}: record_size_margin {c.record_size_margin} leaves "
-                    f"{segment} bytes of the namespace's max-record-size {max_record}; lower record_size_margin"
-                )
-        self._check_ttl(infos)
-        limits = RecordLimits(max_record_size=max_record, segment_size=segment, source=source)
         log.info(
-            "aerospike tier %r: max-record-size %d (%s), segments of %d bytes",
+            "aerospike tier %r: max-record-size %d, segments of %d bytes (%s)",
             self.name,
-            max_record,
-            source,
-            segment,
+            limits.max_record_size,
+            limits.segment_size,
+            limits.source,
         )
         return limits
-
-    def _check_ttl(self, infos: list[dict[str, str]]) -> None:
-        c = self.config
-        for info in infos:
-            nsup = int(info.get("nsup-period", "0") or 0)
-            allow = info.get("allow-ttl-without-nsup", "false") == "true"
-            default_ttl = int(info.get("default-ttl", "0") or 0)
-            uses_ttl = c.ttl_s > 0 or (c.ttl_s == 0 and default_ttl > 0)
-            if uses_ttl and nsup == 0 and not allow:
-                raise ConfigError(
-                    f"aerospike tier {self.name!r}: ttl_s={c.ttl_s} needs nsup-period > 0 on namespace "
-                    f"{c.namespace!r} (the server refuses TTL writes while nsup is off); enable nsup or set ttl_s: -1"
-                )
-            if not uses_ttl or nsup == 0:
-                log.warning(
-                    "aerospike tier %r: records in %r never expire: orphan segments of crashed writers "
-                    "are never reclaimed and the namespace cannot evict them",
-                    self.name,
-                    c.namespace,
-                )
-                return
 
     def _relearn_limits(self) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""AerospikeTierConfig validation and the record layout (manifest format), without a server."""
+"""AerospikeTierConfig validation, the record layout (manifest format) and the namespace
+rules (record limits, TTL), without a server."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import os
 import pytest
 from pydantic import ValidationError
 
+from kvtier.errors import ConfigError
 from kvtier.tiers.aerospike_config import AerospikeHost, AerospikeTierConfig
 from kvtier.tiers.aerospike_layout import HEAD_BYTES, Manifest, ManifestError, segment_key
+from kvtier.tiers.aerospike_namespace import (
+    RecordLimits,
+    check_ttl,
+    client_config,
+    parse_info,
+    record_limits,
+)
 
 
 def test_defaults() -> None:
@@ -136,3 +145,77 @@ def test_decode_rejects_bad_manifests(mutate) -> None:
     raw = Manifest.for_block(os.urandom(5000), 1000).encode()
     with pytest.raises(ManifestError):
         Manifest.decode(mutate(raw))
+
+
+def test_parse_info_strips_the_command_and_splits_pairs() -> None:
+    replies = {
+        "A": (None, "namespace/kvcache\tobjects=3;max-record-size=1048576\n"),
+        "B": (None, "objects=4;max-record-size=524288;junk\n"),
+    }
+    infos = parse_info("namespace/kvcache", replies, ";")
+    assert infos == [
+        {"objects": "3", "max-record-size": "1048576"},
+        {"objects": "4", "max-record-size": "524288"},
+    ]
+    assert parse_info(
+        "sets/kvcache/s", {"A": (None, "objects=1:data_used_bytes=64:x=y;\n")}, ":"
+    ) == [{"objects": "1", "data_used_bytes": "64", "x": "y"}]
+    with pytest.raises(ValueError, match="node B"):
+        parse_info("build", {"B": ("timeout", None)}, ";")
+
+
+def test_record_limits_take_the_smallest_cap_minus_the_margin() -> None:
+    cfg = AerospikeTierConfig(record_size_margin="4KiB")  # type: ignore[arg-type]
+    limits = record_limits(
+        cfg, [{"max-record-size": "1048576"}, {"max-record-size": "524288"}], "h"
+    )
+    assert limits == RecordLimits(524288, 524288 - 4096, "max-record-size")
+    legacy = record_limits(cfg, [{"storage-engine.write-block-size": "131072"}], "h")
+    assert legacy == RecordLimits(131072, 131072 - 4096, "write-block-size")
+    assumed = record_limits(cfg, [{"objects": "0"}], "h")
+    assert assumed.source == "assumed" and assumed.max_record_size == 1024 * 1024
+    tiny_margin = record_limits(
+        AerospikeTierConfig(record_size_margin=0), [{"max-record-size": "65536"}], "h"
+    )
+    assert (
+        tiny_margin.segment_size <= 65536 - 52
+    )  # never closer to the cap than the record overhead
+
+
+def test_record_limits_reject_what_cannot_fit() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        record_limits(AerospikeTierConfig(), [{"type": "unknown"}], "h")
+    with pytest.raises(ConfigError, match="segment_size"):
+        record_limits(
+            AerospikeTierConfig(segment_size="1MiB"), [{"max-record-size": "1048576"}], "h"
+        )  # type: ignore[arg-type]
+    ok = record_limits(
+        AerospikeTierConfig(segment_size="512KiB"), [{"max-record-size": "1048576"}], "h"
+    )  # type: ignore[arg-type]
+    assert ok == RecordLimits(1048576, 512 * 1024, "override")
+    with pytest.raises(ConfigError, match="record_size_margin"):
+        record_limits(
+            AerospikeTierConfig(record_size_margin="1MiB"), [{"max-record-size": "1048576"}], "h"
+        )  # type: ignore[arg-type]
+
+
+def test_check_ttl_follows_the_nsup_rule() -> None:
+    nsup_on = [{"nsup-period": "60", "default-ttl": "0"}]
+    nsup_off = [{"nsup-period": "0", "default-ttl": "0"}]
+    assert check_ttl(AerospikeTierConfig(ttl_s=100), nsup_on)
+    with pytest.raises(ConfigError, match="nsup-period"):
+        check_ttl(AerospikeTierConfig(ttl_s=100), nsup_off)
+    allowed = [{"nsup-period": "0", "allow-ttl-without-nsup": "true"}]
+    assert not check_ttl(AerospikeTierConfig(ttl_s=100), allowed)  # accepted, but nothing expires
+    assert not check_ttl(AerospikeTierConfig(ttl_s=-1), nsup_on)
+    assert not check_ttl(AerospikeTierConfig(ttl_s=0), nsup_on)  # namespace default-ttl 0: never
+    assert check_ttl(AerospikeTierConfig(ttl_s=0), [{"nsup-period": "60", "default-ttl": "3600"}])
+
+
+def test_client_config_turns_the_clients_retries_off() -> None:
+    cfg = client_config(
+        AerospikeTierConfig(hosts=["db:3100"], cluster_name="kv", total_timeout_ms=123)
+    )
+    assert cfg["hosts"] == [("db", 3100)] and cfg["cluster_name"] == "kv"
+    assert all(p.get("max_retries", 0) == 0 for p in cfg["policies"].values())
+    assert cfg["policies"]["batch"]["total_timeout"] == 123
