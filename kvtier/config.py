@@ -33,7 +33,16 @@ from kvtier.units import parse_bytes
 
 ENV_PREFIX = "KVTIER_"
 NON_CONFIG_ENV = frozenset(
-    {"KVTIER_CONFIG", "KVTIER_MODEL_DIR", "KVTIER_CACHE_DIR", "KVTIER_LOG_LEVEL", "KVTIER_HOME"}
+    {
+        "KVTIER_CONFIG",
+        "KVTIER_MODEL_DIR",
+        "KVTIER_CACHE_DIR",
+        "KVTIER_LOG_LEVEL",
+        "KVTIER_HOME",
+        "KVTIER_AEROSPIKE_HOST",  # tests: run the Aerospike tier tests against a real server
+        "KVTIER_AEROSPIKE_NAMESPACE",
+        "KVTIER_TEST_PYPI",  # tests: allow the real model download
+    }
 )
 """``KVTIER_`` variables that are not configuration overrides."""
 

@@ -59,7 +59,21 @@ class WritePolicy(enum.StrEnum):
 
 
 def _used_bytes_of(tier: Tier) -> Callable[[], float]:
-    return lambda: float(tier.usage().used_bytes)
+    def used() -> float:
+        try:
+            return float(tier.usage().used_bytes)
+        except KvtierError:
+            return float("nan")  # a network tier that cannot say right now
+
+    return used
+
+
+def _capacity_of(tier: Tier) -> int | None:
+    try:
+        return tier.usage().capacity_bytes
+    except KvtierError as e:
+        log.warning("tier %s: usage unavailable at start: %s", tier.name, e)
+        return None
 
 
 def _error_kind(e: KvtierError) -> str:
@@ -117,7 +131,7 @@ class TieredStore:
             if i > 0 or not t.fast
         }
         for i, tier in enumerate(self.tiers):
-            self.metrics.track_usage(tier.name, _used_bytes_of(tier), tier.usage().capacity_bytes)
+            self.metrics.track_usage(tier.name, _used_bytes_of(tier), _capacity_of(tier))
             if self.write_policy is WritePolicy.WRITE_BACK and i + 1 < len(self.tiers):
                 tier.set_eviction_listener(functools.partial(self._write_down, i + 1))
 
@@ -327,7 +341,15 @@ class TieredStore:
         return all(w.flush(timeout) for w in self._writers.values())
 
     def usage(self) -> dict[str, TierUsage]:
-        return {t.name: t.usage() for t in self.tiers}
+        """Per-tier usage; a tier that cannot answer reports zero used and no capacity."""
+        out = {}
+        for t in self.tiers:
+            try:
+                out[t.name] = t.usage()
+            except KvtierError as e:
+                self._tier_failed(t, "usage", e, 0)
+                out[t.name] = TierUsage(0, None, None)
+        return out
 
     def check_integrity(self) -> None:
         """Assert every tier's bookkeeping holds (for tests)."""
