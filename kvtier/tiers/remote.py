@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier.breaker import CircuitBreaker
-from kvtier.errors import TierUnavailableError, TransientError
+from kvtier.errors import ConfigError, TierUnavailableError, TransientError
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
@@ -59,8 +59,6 @@ def _identity(b: bytes) -> bytes:
 def _read_ca(config: RemoteTierConfig) -> bytes | None:
     if config.ca_file is None:
         return None
-    from kvtier.errors import ConfigError
-
     try:
         return config.ca_file.read_bytes()
     except OSError as e:
