@@ -146,25 +146,27 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
         self.write_kv(layer, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if not meta.prefills:  # decode-only step: no scatter into a joint output
+            return self._decode(layer, q, meta)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decode_tokens:
-            self._decode(layer, q, meta, out)
+            out[: meta.num_decode_tokens] = self._decode(layer, q, meta)
         for span in meta.prefills:
             self._prefill(layer, q, k, v, span, out)
         return out
 
-    def _decode(
-        self, layer: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
-    ) -> None:
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert meta.decode_block_table is not None and meta.decode_mask is not None
         b, hk, d = meta.num_decode_tokens, self.num_kv_heads, self.head_dim
-        table = meta.decode_block_table  # [B, nb]
-        # k, v: [B, nb, block, hk, d] -> [B, hk, nb * block, d]
-        kd = self.kv_cache[layer, 0][table].view(b, -1, hk, d).transpose(1, 2)
-        vd = self.kv_cache[layer, 1][table].view(b, -1, hk, d).transpose(1, 2)
+        flat = meta.decode_block_table.view(-1)  # [B * nb]
+        # NOTE: index_select over whole blocks is ~9x faster on CPU than
+        # advanced indexing with the 2-D table.
+        # k, v: [B * nb, block, hk, d] -> [B, hk, nb * block, d]
+        kd = self.kv_cache[layer, 0].index_select(0, flat).view(b, -1, hk, d).transpose(1, 2)
+        vd = self.kv_cache[layer, 1].index_select(0, flat).view(b, -1, hk, d).transpose(1, 2)
         qd = q[:b].view(b, hk, self.group, d)  # query head h uses kv head h // group
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        out[:b] = o.reshape(b, self.num_heads, d)
+        return o.reshape(b, self.num_heads, d)
 
     def _prefill(
         self,
@@ -186,8 +188,8 @@ class TorchPagedAttention:
         hk, d = self.num_kv_heads, self.head_dim
         ctx = span.prefix_len + n
         # [nb, block, hk, d] -> [1, hk, ctx, d]
-        kall = self.kv_cache[layer, 0][span.block_ids].view(-1, hk, d)[:ctx]
-        vall = self.kv_cache[layer, 1][span.block_ids].view(-1, hk, d)[:ctx]
+        kall = self.kv_cache[layer, 0].index_select(0, span.block_ids).view(-1, hk, d)[:ctx]
+        vall = self.kv_cache[layer, 1].index_select(0, span.block_ids).view(-1, hk, d)[:ctx]
         kall = kall.transpose(0, 1).unsqueeze(0)
         vall = vall.transpose(0, 1).unsqueeze(0)
         for a, b, k_len, mask in span.tiles:

@@ -32,6 +32,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # NOTE: torch's fused rms_norm on bf16 CPU tensors is 2-3x slower
+        # than upcasting first (measured: 4-6 ms vs 2 ms for 2048x576), and
+        # this is exactly HF's "normalize in fp32, round, then scale".
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         return self.weight * y
 
@@ -64,16 +67,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [T, hidden]
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        hq, hk = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hk, self.head_dim)
+        v = qkv[:, hq + hk :]  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hk])), dim=1)
+        else:
+            qk = qkv[:, : hq + hk]
+        # NOTE: one rotation over Q and K heads together halves the kernel count.
+        qk = apply_rope(qk, cos, sin)  # [T, heads + kv_heads, head_dim]
+        q, k = qk[:, :hq], qk[:, hq:]
         o = backend.forward(self.layer_idx, q, k, v, meta)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(t, self.q_size))
 

@@ -36,6 +36,26 @@ class LoadedModel:
     fingerprint: str
 
 
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Loads only the tokenizer (and chat template) of a model, without its weights.
+
+    Raises:
+        ModelLoadError: if the files are missing or unreadable.
+        EngineConfigError: if the tokenizer kind is unsupported.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        source = HFModelDir(p)
+        config = source.model_config()
+        return tokenizer_from_hf_dir(p, config.eos_token_ids, config.bos_token_id)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        gguf_file = GGUFFile(p)
+        return tokenizer_from_gguf(gguf_file.meta, gguf_file.model_config().eos_token_ids)
+    if p.exists():
+        raise ModelLoadError(f"{p} is neither a .gguf file nor a model directory")
+    raise ModelLoadError(f"model not found: {p}")
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
 ) -> LoadedModel:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from kvtier.engine.models.loader import load_model
+from kvtier.engine.models.loader import load_model, load_tokenizer
 from kvtier.engine.tokenizer import Tokenizer
 
 TEXTS = [
@@ -79,7 +79,7 @@ def test_stop_matcher_holds_back_possible_prefixes() -> None:
 
 @pytest.mark.smollm2
 def test_smollm2_tokenizer_streams_emoji_and_cjk(smollm2: Path) -> None:
-    tok = load_model(smollm2, torch.float32, torch.device("cpu")).tokenizer
+    tok = load_tokenizer(smollm2)
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         pieces = _stream(tok, ids)

@@ -1,8 +1,10 @@
 """The real SmolLM2-135M-Instruct (Q4_1 GGUF) against transformers on the same weights.
 
-The reference is transformers' own GGUF path (``AutoConfig(gguf_file=...)`` and
-``load_gguf_checkpoint``, which dequantizes and un-permutes Q/K independently of
-this engine) in float32 with SDPA attention.
+Weights: the engine's dequantized and un-permuted Q/K tensors are checked
+against transformers' own GGUF processing (``LlamaTensorProcessor``, which
+reverses llama.cpp's permutation independently of this engine) applied to
+the gguf library's dequantization. The model is then exported to a
+transformers ``LlamaForCausalLM`` (float32, SDPA) and compared end to end.
 
 Tolerance: fp32 on a 30-layer model; both sides run the same math in a
 different order (fused projections, paged gathers, different SDPA kernels),
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.models.hf_export import to_transformers
 from tests.engine.tiny_models import hf_greedy, hf_logits
 
 pytestmark = pytest.mark.smollm2
@@ -26,27 +29,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def smol(request: pytest.FixtureRequest):
-    from tests.conftest import smollm2_path
-
-    path = smollm2_path()
-    if not path.exists():
-        pytest.skip(f"needs {path}")
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        ref = LlamaForCausalLM(cfg)
-    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=ref)["tensors"]
-    state = {k: v.float() for k, v in state.items()}
-    ref.load_state_dict(state, strict=False, assign=True)
-    ref.tie_weights()
-    ref.model.rotary_emb.to_empty(device="cpu")
-    ref.model.rotary_emb.__init__(cfg)  # rebuild its inv_freq buffer off the meta device
-    ref.eval()
-    llm = LLM(str(path), dtype="float32", device="cpu", num_threads=1)
-    return path, ref, llm
+def smol(smollm2_llm: LLM):
+    return smollm2_llm, to_transformers(smollm2_llm.engine.runner.model)
 
 
 def _chat_prompts(llm: LLM) -> list[list[int]]:
@@ -63,8 +47,30 @@ def _chat_prompts(llm: LLM) -> list[list[int]]:
     return out
 
 
+def test_smollm2_qk_unpermutation_matches_transformers_gguf_processing(smol, smollm2) -> None:
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    llm, _ = smol
+    cfg = llm.engine.model_config
+    proc = LlamaTensorProcessor(
+        config={"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
+    )
+    reader = gguf.GGUFReader(str(smollm2))
+    tensors = {t.name: t for t in reader.tensors}
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    for layer in (0, 17, cfg.num_layers - 1):
+        ours = llm.engine.runner.model.layers[layer].attn.qkv_proj.weight
+        for name, rows in (("attn_q", slice(0, q)), ("attn_k", slice(q, q + kv))):
+            t = tensors[f"blk.{layer}.{name}.weight"]
+            deq = gguf.quants.dequantize(t.data, t.tensor_type)
+            ref = proc.process(deq, f"blk.{layer}.{name}.weight").weights
+            assert torch.equal(ours[rows], torch.from_numpy(ref.copy()).float())
+
+
 def test_smollm2_prefill_logits_match(smol) -> None:
-    _, ref, llm = smol
+    llm, ref = smol
     p = _chat_prompts(llm)[0]
     torch.testing.assert_close(
         llm.engine.score(p, use_prefix_cache=False).logits, hf_logits(ref, p), atol=ATOL, rtol=RTOL
@@ -72,7 +78,7 @@ def test_smollm2_prefill_logits_match(smol) -> None:
 
 
 def test_smollm2_greedy_matches_alone_batched_cached_and_chunked(smol) -> None:
-    _, ref, llm = smol
+    llm, ref = smol
     prompts = _chat_prompts(llm)
     refs = [hf_greedy(ref, p, MAX_TOKENS) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -95,7 +101,7 @@ def test_smollm2_greedy_matches_alone_batched_cached_and_chunked(smol) -> None:
 
 
 def test_smollm2_chat_answer_is_sensible(smol) -> None:
-    _, _, llm = smol
+    llm, _ = smol
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0.0, max_tokens=20),
