@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
+from kvtier.server.config import ServerConfig
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.remote_config import RemoteTierConfig
 from kvtier.units import parse_bytes
@@ -139,6 +140,7 @@ class KvtierConfig(_Strict):
     tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
     connector: ConnectorConfig = ConnectorConfig()
     metrics: MetricsConfig = MetricsConfig()
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")
     def _check(self) -> KvtierConfig:

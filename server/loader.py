@@ -1,11 +1,8 @@
 """Load the server's configuration and its store's from one kvtier YAML file.
 
-The file is an ordinary kvtier configuration with a ``server:`` section
-(:class:`~kvtier.server.config.ServerConfig`). When the top-level
-:class:`~kvtier.config.KvtierConfig` has a ``server`` field, the whole file is
-loaded by :func:`kvtier.config.load_config` (``KVTIER_SERVER__*`` overrides
-included). Until then the ``server:`` section is split off here and validated
-on its own, and the rest goes through ``load_config``.
+The file is an ordinary kvtier configuration whose ``server:`` section is a
+:class:`~kvtier.server.config.ServerConfig`; :func:`kvtier.config.load_config`
+loads all of it (``KVTIER_SERVER__*`` overrides included).
 
 With no ``tiers:`` in the file, the server stores CPU + disk with the disk at
 ``~/.cache/kvtier/server/blocks`` — not the engines' default directory, since
@@ -15,7 +12,6 @@ two processes must not share one disk tier on a host.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,20 +39,12 @@ def _server_default_tiers() -> list[dict[str, Any]]:
     ]
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _has_tiers(path: Path) -> bool:
     try:
-        text = path.expanduser().read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read configuration file {path}: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"configuration file {path} is not valid YAML: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
-    return data
+        data = yaml.safe_load(path.expanduser().read_text())
+    except (OSError, yaml.YAMLError):
+        return True  # load_config reports the problem
+    return not isinstance(data, dict) or "tiers" in data
 
 
 def _format(e: ValidationError, source: str) -> str:
@@ -66,17 +54,6 @@ def _format(e: ValidationError, source: str) -> str:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"  {loc}: {msg.removeprefix('Value error, ')}")
     return "\n".join(lines)
-
-
-def _load_store(data: dict[str, Any], env: Mapping[str, str], source: str) -> KvtierConfig:
-    """``load_config`` of the file without its ``server:`` section (same precedence: file < env)."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as tmp:
-        rest = Path(tmp) / "store.yaml"
-        rest.write_text(yaml.safe_dump(data))
-        try:
-            return load_config(rest, env=env)
-        except ConfigError as e:
-            raise ConfigError(str(e).replace(str(rest), source)) from None
 
 
 def load_server_config(
@@ -98,27 +75,15 @@ def load_server_config(
     env = os.environ if env is None else env
     if path is None:
         path = env.get("KVTIER_CONFIG") or None
-    data = _read_yaml(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "defaults"
-    default_tiers = "tiers" not in data and not any(k.startswith("KVTIER_TIERS__") for k in env)
-
-    if "server" in KvtierConfig.model_fields:
-        # The integrated configuration: one load, one set of environment overrides.
-        full = load_config(
-            path, env=env, overrides={"tiers": _server_default_tiers()} if default_tiers else None
-        )
-        server = getattr(full, "server", None)
-        section = server.model_dump() if isinstance(server, ServerConfig) else {}
-        store = full
-    else:
-        section = data.pop("server", None) or {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"{source}: server: must be a mapping")
-        if default_tiers:
-            data["tiers"] = _server_default_tiers()
-        store = _load_store(data, env, source)
+    default_tiers = (path is None or not _has_tiers(Path(path))) and not any(
+        k.startswith("KVTIER_TIERS__") for k in env
+    )
+    store = load_config(
+        path, env=env, overrides={"tiers": _server_default_tiers()} if default_tiers else None
+    )
     try:
-        server_config = ServerConfig.model_validate({**section, **(overrides or {})})
+        server = ServerConfig.model_validate({**store.server.model_dump(), **(overrides or {})})
     except ValidationError as e:
         raise ConfigError(_format(e, source)) from None
-    return server_config, store
+    return server, store

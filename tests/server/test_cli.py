@@ -258,7 +258,7 @@ def test_server_defaults_keep_the_disk_tier_apart_from_engines(tmp_path: Path) -
         ("server:\n  tenants: [{name: a, token_sha256: plaintoken}]\n", "64 lowercase hex"),
         ("server:\n  tenants: [{name: anonymous, token_sha256: " + "a" * 64 + "}]\n", "reserved"),
         ("server:\n  chunk_size: 8MiB\n", "must fit in max_message_size"),
-        ("server: 3\n", "must be a mapping"),
+        ("server: 3\n", "server: Input should be a valid dictionary"),
         ("chunk_size: 7\nserver: {}\n", "chunk_size"),
     ],
 )
