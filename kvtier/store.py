@@ -320,6 +320,8 @@ class TieredStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys from every tier; returns the number removed from the tier that held most."""
+        for writer in self._writers.values():
+            writer.cancel(keys)
         removed = 0
         for tier in self.tiers:
             try:

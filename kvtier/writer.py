@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvtier.errors import KvtierError
 from kvtier.metrics import StoreMetrics
@@ -52,6 +52,12 @@ class BackgroundWriter:
         self.written = 0
         self.failed = 0
         self._closed = False
+        # Deletes must win over writes queued before them: a key deleted at
+        # sequence number s is not written by any item submitted before s.
+        self._seq = 0
+        self._done_seq = 0
+        self._cancelled: dict[bytes, int] = {}
+        self._lock = threading.Lock()
         if metrics is not None:
             metrics.track_queue(tier.name, self._queue.qsize)
         self._thread = threading.Thread(
@@ -63,17 +69,30 @@ class BackgroundWriter:
         """Queue one block; ``False`` (and counted) if the queue stays full for ``wait`` s, or is closed."""
         if self._closed:
             return False
+        with self._lock:
+            self._seq += 1
+            item = (self._seq, key, block)
         try:
             if wait > 0:
-                self._queue.put((key, block), timeout=wait)
+                self._queue.put(item, timeout=wait)
             else:
-                self._queue.put_nowait((key, block))
+                self._queue.put_nowait(item)
             return True
         except queue.Full:
             self.dropped += 1
             if self._metrics is not None:
                 self._metrics.queue_dropped.labels(self.tier.name).inc()
             return False
+
+    def cancel(self, keys: Sequence[bytes]) -> None:
+        """Drop queued (and undo in-flight) writes of ``keys`` submitted before this call."""
+        with self._lock:
+            for k in keys:
+                self._cancelled[k] = self._seq + 1
+
+    def _live(self, seq: int, key: bytes) -> bool:
+        cancelled_at = self._cancelled.get(key)
+        return cancelled_at is None or seq >= cancelled_at
 
     def pending(self) -> int:
         """Blocks queued or being written."""
@@ -121,8 +140,14 @@ class BackgroundWriter:
             self._write(batch)
 
     def _write(self, batch: list[object]) -> None:
-        items: list[tuple[bytes, bytes]] = [b for b in batch if isinstance(b, tuple)]
+        entries = [b for b in batch if isinstance(b, tuple)]
+        with self._lock:
+            live = [(seq, k, b) for seq, k, b in entries if self._live(seq, k)]
+        items: list[tuple[bytes, bytes]] = [(k, b) for _, k, b in live]
         name = self.tier.name
+        if not items:
+            self._finish(batch, entries)
+            return
         try:
             if self._metrics is not None:
                 with self._metrics.time_op(name, "put"):
@@ -153,5 +178,29 @@ class BackgroundWriter:
             if self._on_error is not None:
                 self._on_error(e)
         finally:
-            for _ in batch:
-                self._queue.task_done()
+            self._undo_cancelled(live)
+            self._finish(batch, entries)
+
+    def _undo_cancelled(self, written: list[tuple[int, bytes, bytes]]) -> None:
+        """A delete that arrived while these were being written must still win."""
+        with self._lock:
+            late = [k for seq, k, _ in written if not self._live(seq, k)]
+        if late:
+            try:
+                self.tier.delete(late)
+            except KvtierError as e:
+                log.warning(
+                    "writer for %s: could not undo a write deleted meanwhile: %s", self.tier.name, e
+                )
+
+    def _finish(self, batch: list[object], entries: list[tuple[int, bytes, bytes]]) -> None:
+        if entries:
+            with self._lock:
+                # FIFO with one consumer: everything up to this sequence number is done.
+                self._done_seq = max(self._done_seq, max(seq for seq, _, _ in entries))
+                if self._cancelled:
+                    self._cancelled = {
+                        k: s for k, s in self._cancelled.items() if s > self._done_seq + 1
+                    }
+        for _ in batch:
+            self._queue.task_done()

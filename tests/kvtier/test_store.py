@@ -180,3 +180,20 @@ def test_concurrent_mutation_keeps_integrity(tmp_path: Path) -> None:
         assert not errors, errors[0]
         s.flush(10)
         s.check_integrity()
+
+
+def test_delete_wins_over_queued_and_in_flight_writes() -> None:
+    slow = FlakyTier("slow", delay=0.3)
+    with TieredStore([CpuTier(BLOCK_LEN * 50), slow], writer_queue=64) as s:
+        for i in range(4):
+            s.put([(key(i), block(i))])
+        time.sleep(0.1)  # key 0 (and maybe more) is now being written by the slow tier
+        s.delete([key(i) for i in range(4)])
+        s.put([(key(9), block(9))])  # a write after the delete still happens
+        assert s.flush(10)
+        assert slow.data.keys() == {key(9)}
+        assert s.get([key(i) for i in range(4)]) == [None] * 4
+        # Deleting again later re-arms nothing: a new put of the same key is stored.
+        s.put([(key(0), block(0))])
+        assert s.flush(10)
+        assert key(0) in slow.data
