@@ -8,7 +8,8 @@ Figures:
 * ``prefill N``: tokens per second to the first token of a fresh N-token
   prompt. Ours: a request with ``max_tokens=1`` through the engine (chunked
   at ``max_num_batched_tokens``, default 2048). transformers: one forward pass
-  with ``logits_to_keep=1`` under ``inference_mode``.
+  with ``logits_to_keep=1`` under ``inference_mode``. Full runs add
+  ``prefill 4096 (1 step)``: the same with a 4,096-token step budget.
 * ``decode bB``: generated tokens per second of B concurrent 128-token
   prompts, decode steps only (after every prompt produced its first token).
   transformers: greedy loop over its own ``DynamicCache``, batch B (equal
@@ -189,6 +190,21 @@ def main() -> None:
         summary[f"prefill_{n}_tok_s"] = round(ours, 1)
         summary[f"prefill_{n}_hf_tok_s"] = round(ref, 1)
         summary[f"prefill_{n}_ratio"] = round(ours / ref, 3)
+    if not args.quick and args.max_num_batched_tokens < 4096:
+        # the same 4,096-token prefill as one engine step (a larger step budget)
+        sched = llm.engine.scheduler
+        sched.max_num_batched_tokens = 4096
+        try:
+            t_ours, t_ref = best_of(
+                repeat, lambda: b.ours_prefill(4096), lambda: b.hf_prefill(4096)
+            )
+        finally:
+            sched.max_num_batched_tokens = args.max_num_batched_tokens
+        ours, ref = 4096 / t_ours, 4096 / t_ref
+        rows.append(["prefill 4096 (1 step)", "tok/s", ours, ref, ours / ref])
+        summary["prefill_4096_one_step_tok_s"] = round(ours, 1)
+        summary["prefill_4096_one_step_hf_tok_s"] = round(ref, 1)
+        summary["prefill_4096_one_step_ratio"] = round(ours / ref, 3)
     for batch in (1, 8):
         t_ours, t_ref = best_of(
             repeat,

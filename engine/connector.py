@@ -157,7 +157,15 @@ class SaveMetadata:
 
 
 class KVConnector(ABC):
-    """Base class of KV connectors (see the module docstring for the contract)."""
+    """Base class of KV connectors (see the module docstring for the contract).
+
+    Args:
+        config_path: The connector's own configuration file, if any
+            (``EngineConfig.kv_connector_config``).
+    """
+
+    def __init__(self, config_path: str | None = None) -> None:
+        self.config_path = config_path
 
     # ---- scheduler side -------------------------------------------------
 
@@ -208,9 +216,6 @@ class KVConnector(ABC):
 
 class NullConnector(KVConnector):
     """The default connector: nothing is stored, nothing is ever matched."""
-
-    def __init__(self, config_path: str | None = None) -> None:
-        self.config_path = config_path
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int

@@ -51,6 +51,8 @@ def to_transformers(model: DecoderModel, dtype: torch.dtype | None = None) -> An
         rope_theta=cfg.rope_theta,
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
+    hf_cfg: Any
+    cls: Any
     if cfg.arch == "llama":
         hf_cfg, cls = LlamaConfig(**common, attention_bias=cfg.qkv_bias), LlamaForCausalLM
     elif cfg.arch == "qwen2":
@@ -102,5 +104,5 @@ def to_transformers(model: DecoderModel, dtype: torch.dtype | None = None) -> An
     # the rotary buffer was created on the meta device: rebuild it for real
     hf.model.rotary_emb.to_empty(device=next(model.parameters()).device)
     hf.model.rotary_emb.__init__(hf_cfg)
-    target = dtype or next(model.parameters()).dtype
-    return hf.to(target).eval()
+    target: torch.dtype = dtype or next(model.parameters()).dtype
+    return hf.to(dtype=target).eval()

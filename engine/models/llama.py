@@ -113,8 +113,10 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, backend, meta)
-        return h + self.mlp(self.post_norm(h))
+        # NOTE: in-place residual adds: ``h`` is the step's own activation
+        # buffer (fresh from the embedding), so nothing else aliases it.
+        h.add_(self.attn(self.input_norm(h), cos, sin, backend, meta))
+        return h.add_(self.mlp(self.post_norm(h)))
 
 
 class DecoderModel(nn.Module):

@@ -47,6 +47,9 @@ class RotaryEmbedding(torch.nn.Module):
     device; lookups are one ``index_select`` per step.
     """
 
+    cos: torch.Tensor  # [max_positions, head_dim // 2]
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
@@ -66,7 +69,17 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim // 2]``."""
+    """Rotates ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim // 2]``.
+
+    Returns a new contiguous tensor: ``[x1*cos - x2*sin, x2*cos + x1*sin]``
+    written straight into the two halves of the output (no ``cat``).
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out

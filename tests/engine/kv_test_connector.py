@@ -56,6 +56,7 @@ class InMemoryConnector(KVConnector):
         chunk: int = 8,
         mode: str = "ok",
     ) -> None:
+        super().__init__(config_path)
         self.store: dict[bytes, torch.Tensor] = {} if store is None else store
         self.chunk = chunk
         self.mode = mode

@@ -152,3 +152,19 @@ def test_generate_rejects_mismatched_params_without_running_anything(llm: LLM) -
     with pytest.raises(InvalidRequestError):
         llm.generate([[1, 2], [10**7]], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished()
+
+
+def test_chat_templates_are_sandboxed_and_can_reject() -> None:
+    from kvtier.engine.chat_template import ChatTemplate
+
+    msgs = [{"role": "user", "content": "hi"}]
+    evil = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(InvalidRequestError, match="chat template failed"):
+        evil.render(msgs, add_generation_prompt=True, bos_token="", eos_token="")
+    strict = ChatTemplate(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}ok"
+    )
+    with pytest.raises(InvalidRequestError, match="system first"):
+        strict.render(msgs, add_generation_prompt=True, bos_token="", eos_token="")
+    sys_msgs = [{"role": "system", "content": "x"}]
+    assert strict.render(sys_msgs, add_generation_prompt=True, bos_token="", eos_token="") == "ok"
