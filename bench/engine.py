@@ -40,7 +40,10 @@ from common import emit, machine, table
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.models.hf_export import to_transformers
 
-DEFAULT_MODEL = Path("~/.cache/kvtier/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+DEFAULT_MODEL = (
+    Path(os.environ.get("KVTIER_MODEL_DIR") or "~/.cache/kvtier/models").expanduser()
+    / "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
 
 
 class Bench:

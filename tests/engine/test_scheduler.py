@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.connector import NullConnector
 from kvtier.engine.request import RequestStatus
@@ -141,3 +144,55 @@ def test_prefix_hit_is_counted_and_leaves_one_token_to_compute() -> None:
     assert b.num_cached_tokens == 8
     bm = s.block_manager
     assert bm.prefix_cache_queries_tokens == 24 and bm.prefix_cache_hit_tokens == 8
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(1, 24),
+    max_seqs=st.integers(1, 6),
+    requests=st.lists(
+        st.tuples(st.integers(1, 20), st.integers(1, 8), st.integers(0, 5)),
+        min_size=1,
+        max_size=10,
+    ),
+    aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9)), max_size=4),
+)
+def test_random_workloads_keep_invariants(num_blocks, budget, max_seqs, requests, aborts) -> None:
+    """Any mix of prompts, budgets, block pressure and aborts: integrity after every
+    step, budget and seat limits respected, FIFO first admission, everything finishes."""
+    s = _sched(num_blocks=num_blocks, max_seqs=max_seqs, budget=budget)
+    # every request must fit alone: prompt + max_tokens <= capacity
+    reqs = []
+    for i, (plen, gen, base) in enumerate(requests):
+        plen = min(plen, num_blocks * BS - gen)
+        reqs.append(make_request(f"r{i}", [(base * 7 + j) % 50 for j in range(plen)], gen))
+    for r in reqs:
+        s.add(r)
+    abort_at = {step: idx for step, idx in aborts}
+    admitted: list[str] = []
+    step = 0
+    while s.has_unfinished():
+        assert step < 2000, "no progress"
+        if step in abort_at:
+            victim = reqs[abort_at[step] % len(reqs)]
+            if victim.status != RequestStatus.FINISHED:
+                s.finish(victim, "abort")
+        if not s.has_unfinished():
+            break
+        out = fake_step(s)
+        assert out.chunks, "a step with work pending must schedule something"
+        assert out.num_batched_tokens <= budget
+        assert len(s.running) <= max_seqs
+        for c in out.chunks:
+            if c.request.request_id not in admitted:
+                admitted.append(c.request.request_id)
+        s.block_manager.check_integrity(live_requests(s))
+        step += 1
+    arrival = [r.request_id for r in reqs if r.request_id in admitted]
+    assert admitted == arrival
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED
+        if r.finish_reason == "length":
+            assert r.num_output_tokens == r.params.max_tokens
+    assert s.block_manager.num_used_blocks == 0
