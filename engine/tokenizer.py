@@ -30,6 +30,7 @@ _QWEN2_PAT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GGUF_TOKEN_NORMAL = 1
 _GGUF_TOKEN_CONTROL = 3
 _GGUF_TOKEN_USER_DEFINED = 4
 _BYTE_TOKEN_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -248,24 +249,64 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def tokenizer_from_gguf(meta: dict[str, Any], eos_token_ids: tuple[int, ...]) -> Tokenizer:
-    """Builds a byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata.
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece-BPE vocabulary.
 
-    Raises:
-        EngineConfigError: for tokenizer kinds this engine cannot rebuild.
-        ModelLoadError: if required keys are missing.
+    SentencePiece merges the adjacent pair whose concatenation is the
+    highest-scoring piece; as BPE merges that is every split ``(left, right)``
+    of a normal piece into two pieces of the vocabulary, ranked by the
+    piece's score (ties: longer left part first, then longer right part,
+    then vocabulary order) -- the same derivation transformers uses.
     """
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise EngineConfigError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-            "load the model from a Hugging Face directory instead"
-        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates: list[tuple[float, int, int, int, int, str, str]] = []
+    for piece, score, kind in zip(tokens, scores, types, strict=True):
+        if kind != _GGUF_TOKEN_NORMAL or len(piece) < 2:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                candidates.append(
+                    (-score, -len(left), -len(right), vocab[left], vocab[right], left, right)
+                )
+    candidates.sort()
+    return [(c[5], c[6]) for c in candidates]
+
+
+def _spm_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
+    """A byte-fallback BPE equivalent to a GGUF SentencePiece (``llama``) vocabulary."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    scores = meta.get("tokenizer.ggml.scores")
+    if not tokens or scores is None or len(scores) != len(tokens):
+        raise ModelLoadError("GGUF SentencePiece tokenizer lacks tokenizer.ggml.tokens/scores")
+    types = meta.get("tokenizer.ggml.token_type") or [_GGUF_TOKEN_NORMAL] * len(tokens)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab={t: i for i, t in enumerate(tokens)},
+        merges=_spm_merges(list(tokens), [float(x) for x in scores], list(types)),
+        unk_token=tokens[int(unk_id)] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = HFTokenizer(bpe)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    # NOTE: llama.cpp adds BOS for SentencePiece vocabularies unless told otherwise.
+    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", True))
+
+
+def _bpe_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
+    """A byte-level BPE from GGUF vocabulary and merges (``gpt2`` tokenizer model)."""
     tokens = meta.get("tokenizer.ggml.tokens")
     merges_raw = meta.get("tokenizer.ggml.merges")
     if not tokens or merges_raw is None:
         raise ModelLoadError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
     pre = meta.get("tokenizer.ggml.pre")
@@ -279,6 +320,31 @@ def tokenizer_from_gguf(meta: dict[str, Any], eos_token_ids: tuple[int, ...]) ->
     tok = HFTokenizer(bpe)
     tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
+    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], eos_token_ids: tuple[int, ...]) -> Tokenizer:
+    """Builds the tokenizer described by GGUF ``tokenizer.ggml.*`` metadata.
+
+    ``gpt2`` (byte-level BPE from the stored merges) and ``llama``
+    (SentencePiece-BPE with byte fallback, merges derived from the scores).
+
+    Raises:
+        EngineConfigError: for tokenizer kinds this engine cannot rebuild.
+        ModelLoadError: if required keys are missing.
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok, add_bos = _bpe_tokenizer(meta)
+    elif kind == "llama":
+        tok, add_bos = _spm_tokenizer(meta)
+    else:
+        raise EngineConfigError(
+            f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+            "SentencePiece 'llama' are); load the model from a Hugging Face directory instead"
+        )
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [_GGUF_TOKEN_NORMAL] * len(tokens)
     special = [
         AddedToken(t, special=True, normalized=False)
         for t, ty in zip(tokens, types, strict=False)
@@ -298,6 +364,6 @@ def tokenizer_from_gguf(meta: dict[str, Any], eos_token_ids: tuple[int, ...]) ->
         tok,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_token_ids,
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=add_bos,
         chat_template=meta.get("tokenizer.chat_template"),
     )

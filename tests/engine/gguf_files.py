@@ -58,9 +58,10 @@ def gguf_name(hf_name: str) -> str | None:
 
 def write_gguf(
     model: Any,
-    tokenizer_dir: Path,
+    tokenizer_dir: Path | None,
     out: Path,
     qtypes: dict[str, Any] | None = None,
+    spm_vocab: list[tuple[str, float, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Writes ``model`` (transformers, fp32) as GGUF; returns the HF state dict as stored.
 
@@ -69,6 +70,9 @@ def write_gguf(
         tokenizer_dir: Directory with the model's ``tokenizer.json`` (byte-level BPE).
         out: The ``.gguf`` path.
         qtypes: GGUF tensor-name suffix -> ``GGMLQuantizationType`` (default F32).
+        spm_vocab: Instead of ``tokenizer_dir``: a SentencePiece vocabulary
+            ``(piece, score, token_type)`` written as a ``llama`` tokenizer
+            (unk 0, bos 1, eos 2).
 
     Returns:
         The HF-named state dict after quantize -> dequantize, i.e. exactly the
@@ -92,22 +96,33 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
 
-    tj = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    for added in tj.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    specials = {a["content"] for a in tj.get("added_tokens", []) if a.get("special")}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_eos_token_id(cfg.eos_token_id)
-    w.add_add_bos_token(False)
-    tc = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    w.add_chat_template(tc["chat_template"])
+    if spm_vocab is not None:
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([p for p, _, _ in spm_vocab])
+        w.add_token_scores([s for _, s, _ in spm_vocab])
+        w.add_token_types([t for _, _, t in spm_vocab])
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        assert tokenizer_dir is not None
+        tj = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+        vocab = tj["model"]["vocab"]
+        for added in tj.get("added_tokens", []):
+            vocab[added["content"]] = added["id"]
+        tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+        specials = {a["content"] for a in tj.get("added_tokens", []) if a.get("special")}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t in specials else 1 for t in tokens])
+        w.add_token_merges(merges)
+        w.add_eos_token_id(cfg.eos_token_id)
+        w.add_add_bos_token(False)
+        tc = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+        w.add_chat_template(tc["chat_template"])
 
     stored: dict[str, torch.Tensor] = {}
     qtypes = qtypes or {}

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer as RawTokenizer
 
 from kvtier.engine import LLM, EngineConfigError, ModelLoadError, SamplingParams
-from kvtier.engine.models.loader import load_model
+from kvtier.engine.models.loader import load_model, load_tokenizer
 from tests.engine.gguf_files import write_gguf
 from tests.engine.tiny_models import _CORPUS, hf_greedy, hf_logits, write_tiny_model
 
@@ -153,3 +153,43 @@ def test_bad_model_paths_raise_typed_errors(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineConfigError, match="unsupported model_type"):
         load_model(d, torch.float32, torch.device("cpu"))
+
+
+def _spm_vocab() -> list[tuple[str, float, int]]:
+    """A SentencePiece-BPE vocabulary (control, byte and normal pieces) trained on the corpus."""
+    from tokenizers import Tokenizer as RawTok
+    from tokenizers import models, pre_tokenizers, trainers
+
+    raw = RawTok(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=420, show_progress=False)
+    raw.train_from_iterator(_CORPUS, trainer=trainer)
+    learned = sorted(raw.get_vocab().items(), key=lambda kv: kv[1])
+    vocab = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+    vocab += [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
+    # a BPE piece learned later is a later merge: lower score
+    vocab += [(piece, -float(rank), 1) for rank, (piece, _) in enumerate(learned)]
+    return vocab
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tests.engine.tiny_models import hf_config, random_model
+
+    vocab = _spm_vocab()
+    model = random_model(hf_config("llama", len(vocab), bos_token_id=1, eos_token_id=2), seed=4)
+    path = tmp_path / "spm.gguf"
+    write_gguf(model, None, path, spm_vocab=vocab)
+    ours = load_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = [*TEXTS[:4], "unseen wörds ☃ and\nnewlines", " leading space", "x"]
+    for text in texts:
+        expected = ref(text)["input_ids"]
+        assert ours.encode(text) == expected, text
+        assert expected[0] == 1  # BOS added, as llama.cpp does for SentencePiece
+        assert ours.decode(expected) == ref.decode(expected, skip_special_tokens=True)
+    # characters outside the vocabulary fall back to byte tokens, and round-trip
+    ids = ours.encode("☃", add_special_tokens=False)
+    assert all(vocab[i][2] == 6 for i in ids[1:]) and ours.decode(ids) == "☃"
+    assert ours.token_bytes(ids[-1]) == "☃".encode()[-1:]
