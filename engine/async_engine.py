@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.connector import KVConnector
@@ -82,6 +82,11 @@ class AsyncLLMEngine:
         self._stopped = False
         self._dead: BaseException | None = None
         self._stats = self.engine.stats()
+        # Requests handed to the inbox but not yet in a stats snapshot: counted
+        # as waiting so that stats() never reports idle while work is queued.
+        self._pending_adds = 0
+        self._picked_up = 0  # engine thread only
+        self._pending_lock = threading.Lock()
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -136,8 +141,15 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     def stats(self) -> EngineStats:
-        """The statistics as of the end of the last engine step (never blocks)."""
-        return self._stats
+        """The statistics as of the end of the last engine step (never blocks).
+
+        Requests submitted but not yet picked up by the engine thread are
+        counted in ``num_waiting``.
+        """
+        with self._pending_lock:
+            pending = self._pending_adds
+        snap = self._stats
+        return replace(snap, num_waiting=snap.num_waiting + pending) if pending else snap
 
     # ---- requests ------------------------------------------------------------------
 
@@ -186,6 +198,8 @@ class AsyncLLMEngine:
             if rid in self._streams:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
             self._streams[rid] = stream
+        with self._pending_lock:
+            self._pending_adds += 1
         self._inbox.put(_Add(prepared, time.monotonic()))
         finished = False
         try:
@@ -226,6 +240,7 @@ class AsyncLLMEngine:
         if isinstance(cmd, _Stop):
             return False
         if isinstance(cmd, _Add):
+            self._picked_up += 1
             try:
                 self.engine.add_prepared(cmd.prepared, cmd.arrival_time)
             except InvalidRequestError as e:
@@ -252,7 +267,7 @@ class AsyncLLMEngine:
                 if running and engine.has_unfinished():
                     for out in engine.step():
                         self._deliver(out.request_id, out)
-                self._stats = engine.stats()
+                self._publish_stats()
             self._abort_all()
         except Exception as e:  # the loop must not die silently: fail every stream loudly
             logger.exception("engine loop died")
@@ -263,6 +278,13 @@ class AsyncLLMEngine:
             for rid in rids:
                 self._deliver(rid, dead)
 
+    def _publish_stats(self) -> None:
+        """Takes a stats snapshot; adds picked up since the last one leave the pending count."""
+        self._stats = self.engine.stats()
+        with self._pending_lock:
+            self._pending_adds -= self._picked_up
+        self._picked_up = 0
+
     def _abort_all(self) -> None:
         with self._streams_lock:
             rids = list(self._streams)
@@ -270,4 +292,4 @@ class AsyncLLMEngine:
             out = self.engine.abort(rid)
             if out is not None:
                 self._deliver(rid, out)
-        self._stats = self.engine.stats()
+        self._publish_stats()

@@ -189,3 +189,26 @@ def test_shutdown_ends_open_streams_with_abort(tiny_llama: Path) -> None:
         time.sleep(0.01)
     assert not eng.is_running
     assert eng.engine.stats().kv_blocks_used == 0
+
+
+def test_stats_never_report_idle_while_a_request_is_queued(engine: AsyncLLMEngine) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        _wait_idle(engine)
+
+        async def consume() -> None:
+            async for _ in engine.generate(PROMPTS[0], long, request_id="queued"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)  # the task has submitted the request (maybe not yet picked up)
+        for _ in range(50):
+            s = engine.stats()
+            assert s.num_waiting + s.num_running >= 1, s
+            await asyncio.sleep(0.001)
+        engine.abort("queued")
+        await task
+
+    asyncio.run(main())
+    _wait_idle(engine)
