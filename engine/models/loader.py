@@ -86,7 +86,16 @@ def load_model(
     elif p.exists():
         raise ModelLoadError(f"{p} is neither a .gguf file nor a model directory")
     else:
-        raise ModelLoadError(f"model not found: {p}")
+        # Not a path: a known model name ("smollm2") resolves to its fetched file.
+        from kvtier.engine.fetch import ModelNotFoundError, lookup_known, resolve_model
+
+        if lookup_known(str(path)) is None:
+            raise ModelLoadError(f"model not found: {p}")
+        try:
+            resolved = resolve_model(str(path))
+        except ModelNotFoundError as e:
+            raise ModelLoadError(str(e)) from None
+        return load_model(resolved, dtype, device, max_positions)
     if not config.eos_token_ids and tokenizer.eos_token_ids:
         from dataclasses import replace
 

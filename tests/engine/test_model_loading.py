@@ -193,3 +193,12 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path: Path) -> No
     ids = ours.encode("☃", add_special_tokens=False)
     assert all(vocab[i][2] == 6 for i in ids[1:]) and ours.decode(ids) == "☃"
     assert ours.token_bytes(ids[-1]) == "☃".encode()[-1:]
+
+
+def test_known_model_names_resolve(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM("smollm2")`` loads the fetched file; an unknown name is a clear error."""
+    monkeypatch.setenv("KVTIER_MODEL_DIR", str(smollm2.parent))
+    loaded = load_model("smollm2", torch.float32, torch.device("cpu"), max_positions=64)
+    assert loaded.model_id == smollm2.stem
+    with pytest.raises(ModelLoadError, match="model not found"):
+        load_model("no-such-model", torch.float32, torch.device("cpu"))
