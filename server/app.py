@@ -1,10 +1,12 @@
-"""The cache server process: a store, the gRPC service, the HTTP frontend, and their lifecycle.
+"""The cache server process: a store, the gRPC service, the data plane, the HTTP frontend, and their lifecycle.
 
 ::
 
-    CacheServer.start()   store built · stats history sampling · gRPC bound · HTTP bound · ready
-    CacheServer.stop()    not ready · new calls refused · calls in flight finish (grace) ·
-                          store closed (background writes flushed) · HTTP closed
+    CacheServer.start()   store built · stats history sampling · gRPC bound · data plane bound ·
+                          HTTP bound · ready
+    CacheServer.stop()    not ready · new calls refused (both planes) · calls and transfers in
+                          flight finish (grace) · store closed (background writes flushed) ·
+                          HTTP closed
 
 ``kvtier serve`` runs one until SIGTERM or SIGINT, then stops it gracefully:
 a Put stream being received when the signal arrives is finished and stored
@@ -27,6 +29,8 @@ from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
 from kvtier.server.config import ServerConfig
+from kvtier.server.dataplane import DataPlaneServer, server_tls_context
+from kvtier.server.gate import Gate
 from kvtier.server.http import HttpFrontend
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto.transport import channel_options
@@ -77,17 +81,18 @@ class CacheServer:
             self.store = build_store(store_config or KvtierConfig(), self.store_metrics)
         self.metrics = ServerMetrics(self.registry)
         self.directory = TenantDirectory(config)
+        self.gate = Gate(self.directory, config, self.metrics)
         self.history = History(StatsSource(self.registry, self.store), config.history_s)
-        self.service = KvCacheService(
-            self.store, self.directory, config, self.metrics, self.history
-        )
+        self.service = KvCacheService(self.store, self.gate, config, self.metrics, self.history)
         self._grpc: grpc.Server | None = None
+        self._data: DataPlaneServer | None = None
         self._http: HttpFrontend | None = None
         self._ready = False
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
         self.port = 0
         self.http_port: int | None = None
+        self.data_port: int | None = None
 
     @property
     def ready(self) -> bool:
@@ -131,6 +136,15 @@ class CacheServer:
                 raise ConfigError(f"server: cannot bind gRPC to {bind}")
             server.start()
             self._grpc = server
+            if c.data_port is not None:
+                tls = (
+                    server_tls_context(c.tls.cert_file, c.tls.key_file)
+                    if c.tls is not None
+                    else None
+                )
+                self._data = DataPlaneServer(c, self.store, self.gate, self.metrics, tls).start()
+                self.data_port = self._data.port
+                self.service.data_port = self._data.port
             if c.http_port is not None:
                 http_host = c.http_host or c.host
                 try:
@@ -153,10 +167,11 @@ class CacheServer:
         self._ready = True
         self.metrics.ready.set(1)
         log.info(
-            "kvtier cache server on %s (%s, %s), http %s",
+            "kvtier cache server on %s (%s, %s), data plane %s, http %s",
             self.address,
             "TLS" if c.tls else "plaintext",
             "open" if c.is_open else f"{len(c.tenants)} tenants",
+            self.data_port,
             self.http_port,
         )
         return self
@@ -171,6 +186,7 @@ class CacheServer:
                 "open": self.config.is_open,
                 "uptime_s": time.time() - self.service.started,
                 "address": self.address,
+                "data_port": self.data_port,
             },
         )
 
@@ -188,8 +204,11 @@ class CacheServer:
             self._ready = False
             self.metrics.ready.set(0)
             self.service.drain()
-            if self._grpc is not None:
-                self._grpc.stop(grace).wait()
+            grpc_stopped = self._grpc.stop(grace) if self._grpc is not None else None
+            if self._data is not None:
+                self._data.stop(grace)  # in parallel with gRPC's grace
+            if grpc_stopped is not None:
+                grpc_stopped.wait()
             if not self.service.wait_idle(timeout=max(grace, 1.0)):
                 log.warning("calls still running after the grace period; closing the store anyway")
             self.history.close()

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
     "--http-port", type=int, default=None, help="Override server.http_port (0: any free)."
 )
 @click.option(
+    "--data-port",
+    type=int,
+    default=None,
+    help="Override server.data_port (bulk data plane; 0: any free; -1: off).",
+)
+@click.option(
     "--open/--closed",
     "open_",
     default=None,
@@ -38,13 +44,15 @@ log = logging.getLogger(__name__)
     "--ready-file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write 'GRPC_PORT HTTP_PORT' here once serving (for scripts using port 0).",
+    help="Write 'GRPC_PORT HTTP_PORT DATA_PORT' here once serving (0: off; for scripts "
+    "using port 0).",
 )
 def serve(
     config_path: str | None,
     host: str | None,
     port: int | None,
     http_port: int | None,
+    data_port: int | None,
     open_: bool | None,
     ready_file: str | None,
 ) -> None:
@@ -63,6 +71,8 @@ def serve(
         for k, v in {"host": host, "port": port, "http_port": http_port, "open": open_}.items()
         if v is not None
     }
+    if data_port is not None:
+        overrides["data_port"] = None if data_port < 0 else data_port
     try:
         server_config, store_config = load_server_config(config_path, overrides=overrides)
         if server_config.malloc_retain is not None:
@@ -82,6 +92,7 @@ def serve(
     click.echo(
         f"kvtier cache server: grpc {server.address} ({tenants}"
         f"{', TLS' if server_config.tls else ''})"
+        + (f", data plane :{server.data_port}" if server.data_port else "")
         + (
             f", dashboard http://{server_config.http_host or server_config.host}:{server.http_port}/"
             if server.http_port
@@ -90,7 +101,7 @@ def serve(
     )
     if ready_file:
         with open(ready_file, "w") as f:
-            f.write(f"{server.port} {server.http_port or 0}\n")
+            f.write(f"{server.port} {server.http_port or 0} {server.data_port or 0}\n")
     while not stop.wait(0.5):
         pass
     click.echo("stopping: finishing calls in flight ...")

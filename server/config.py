@@ -6,6 +6,7 @@ of the file configures the store the server runs)::
     server:
       host: 0.0.0.0
       port: 50051              # gRPC
+      data_port: 50052         # the bulk data plane (Get/Put of block bytes); null: off
       http_port: 9470          # /metrics, /api/stats, the dashboard; null: off
       threads: 16
       max_block_size: 64MiB
@@ -115,6 +116,22 @@ class ServerConfig(_Strict):
 
     host: str = Field("127.0.0.1", min_length=1, description="address the servers bind to")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    data_port: int | None = Field(
+        50052,
+        ge=0,
+        le=65535,
+        description="bulk data plane port on the same host (0: any free; null: off); "
+        "defaults to 0 when port is 0",
+    )
+    data_max_connections: int = Field(
+        256, ge=1, description="data-plane connections at once; more are refused"
+    )
+    data_io_timeout_s: float = Field(
+        30.0, gt=0, description="longest a data-plane read or write of one request step may take"
+    )
+    data_idle_timeout_s: float = Field(
+        600.0, gt=0, description="data-plane connections idle this long are closed"
+    )
     http_port: int | None = Field(
         9470, ge=0, le=65535, description="/metrics and dashboard port (0: any; null: off)"
     )
@@ -160,6 +177,14 @@ class ServerConfig(_Strict):
         "(fewer page faults per transferred block; server/allocator.py); null: allocator defaults",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _data_port_follows_port(cls, data: Any) -> Any:
+        # port 0 (any free port: tests, benchmarks) makes the default data port any free one too
+        if isinstance(data, dict) and "data_port" not in data and data.get("port") == 0:
+            return {**data, "data_port": 0}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ServerConfig:
         names = [t.name for t in self.tenants]
@@ -187,6 +212,10 @@ class ServerConfig(_Strict):
         same_host = (self.http_host or self.host) == self.host
         if self.http_port and self.http_port == self.port and same_host:
             raise ValueError(f"http_port and port are both {self.port}")
+        if self.data_port and self.data_port == self.port:
+            raise ValueError(f"data_port and port are both {self.port}")
+        if self.data_port and self.data_port == self.http_port and same_host:
+            raise ValueError(f"data_port and http_port are both {self.data_port}")
         return self
 
     @property

@@ -83,7 +83,11 @@ def load_server_config(
         path, env=env, overrides={"tiers": _server_default_tiers()} if default_tiers else None
     )
     try:
-        server = ServerConfig.model_validate({**store.server.model_dump(), **(overrides or {})})
+        # NOTE: only the keys the file set, so defaults that follow others (data_port
+        # follows port 0) follow the flags too.
+        server = ServerConfig.model_validate(
+            {**store.server.model_dump(exclude_unset=True), **(overrides or {})}
+        )
     except ValidationError as e:
         raise ConfigError(_format(e, source)) from None
     return server, store

@@ -2,7 +2,8 @@
 
 Labels are bounded: ``tenant`` takes the first ``metrics_max_tenants``
 configured names, ``anonymous``, ``unauthenticated`` and ``other``;
-``method`` the seven RPC names; ``code`` the gRPC status names; ``kind`` and
+``method`` the seven RPC names and the data plane's ``data.Connect``,
+``data.Get``, ``data.Put`` (``data.Unknown`` for an unknown op); ``code`` the gRPC status names; ``kind`` and
 ``direction`` fixed values.
 """
 
@@ -67,6 +68,9 @@ class ServerMetrics:
             f"{ns}_incomplete_puts",
             "Blocks discarded because their Put stream ended or broke before they were complete",
             registry=r,
+        )
+        self.data_connections = Gauge(
+            f"{ns}_data_connections", "Data-plane connections open", registry=r
         )
         self.ready = Gauge(
             f"{ns}_ready", "1 while serving, 0 while starting or draining", registry=r

@@ -1,5 +1,10 @@
 """Reassembly of a Put stream's blocks: frames in, whole verified blocks into the store.
 
+Used by both planes: a gRPC Put stream feeds it frames (:meth:`BlockReceiver.feed`),
+a data-plane PUT a block's header (:meth:`BlockReceiver.begin`) then its
+bytes in one piece (:meth:`BlockReceiver.add`), which reach the store without
+a copy.
+
 A block's declared size is reserved from the shared :class:`ByteBudget` when
 its first frame arrives and released when it is stored or dropped, so the
 memory held by half-received blocks is bounded across all streams. A block
@@ -15,7 +20,7 @@ from kvtier.errors import CorruptBlockError
 from kvtier.server.admission import KEY_SIZE, ByteBudget, invalid, over_limit
 from kvtier.server.config import ServerConfig
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto.frames import PutFrameView
+from kvtier.server.proto.frames import Buffer, PutFrameView
 from kvtier.server.tenants import Tenant
 from kvtier.store import TieredStore
 
@@ -49,7 +54,7 @@ class BlockReceiver:
         self._key: bytes | None = None
         self._size = 0
         self._received = 0
-        self._parts: list[memoryview] = []
+        self._parts: list[Buffer] = []
         self._reserved = 0
 
     def feed(self, frame: PutFrameView) -> None:
@@ -59,56 +64,76 @@ class BlockReceiver:
             RequestError: the frame breaks the stream's order or exceeds a
                 limit; the stream is refused.
         """
-        cfg = self._config
         if len(frame.key):
-            if self._key is not None:
-                raise invalid(
-                    f"block #{self.blocks} ended after {self._received} of its "
-                    f"{self._size} declared bytes (a new key arrived)"
-                )
-            if len(frame.key) != KEY_SIZE:
-                raise invalid(
-                    f"block #{self.blocks}: key is {len(frame.key)} bytes; keys are exactly {KEY_SIZE}"
-                )
-            if frame.size == 0:
-                raise invalid(f"block #{self.blocks}: size must be set on its first frame")
-            if frame.size > cfg.max_block_size:
-                raise over_limit(
-                    f"block #{self.blocks} declares {frame.size} bytes; "
-                    f"this server takes blocks of at most {cfg.max_block_size}"
-                )
-            if self.blocks >= cfg.max_keys_per_call:
-                raise over_limit(
-                    f"more than {cfg.max_keys_per_call} blocks in one Put stream; split it"
-                )
-            if not self._budget.try_reserve(frame.size):
-                raise over_limit(
-                    f"the server is receiving too many bytes at once (limit "
-                    f"{cfg.max_inflight_put_bytes}); retry later"
-                )
-            self._reserved = frame.size
-            self._key = bytes(frame.key)
-            self._size = frame.size
-            self._received = 0
-            self._parts = []
+            self.begin(frame.key, frame.size)
         elif frame.size:
             raise invalid("a PutFrame has a size but no key (size goes on a block's first frame)")
         if len(frame.data):
-            if self._key is None:
-                raise invalid(
-                    "PutFrame data before any block was started (the first frame needs a key)"
-                )
-            if self._received + len(frame.data) > self._size:
-                raise invalid(
-                    f"block #{self.blocks} declared {self._size} bytes but more data arrived"
-                )
-            self._parts.append(frame.data)
-            self._received += len(frame.data)
-        if self._key is not None and self._received == self._size:
+            self.add(frame.data)
+
+    def begin(self, key: Buffer, size: int) -> None:
+        """Start a block of ``size`` bytes under ``key``: check limits, reserve its bytes.
+
+        Raises:
+            RequestError: the previous block is unfinished, the key or size is
+                invalid, or a limit (block size, blocks per stream, bytes in
+                flight) is reached.
+        """
+        cfg = self._config
+        if self._key is not None:
+            raise invalid(
+                f"block #{self.blocks} ended after {self._received} of its "
+                f"{self._size} declared bytes (a new key arrived)"
+            )
+        if len(key) != KEY_SIZE:
+            raise invalid(
+                f"block #{self.blocks}: key is {len(key)} bytes; keys are exactly {KEY_SIZE}"
+            )
+        if size == 0:
+            raise invalid(f"block #{self.blocks}: size must be set on its first frame")
+        if size > cfg.max_block_size:
+            raise over_limit(
+                f"block #{self.blocks} declares {size} bytes; "
+                f"this server takes blocks of at most {cfg.max_block_size}"
+            )
+        if self.blocks >= cfg.max_keys_per_call:
+            raise over_limit(
+                f"more than {cfg.max_keys_per_call} blocks in one Put stream; split it"
+            )
+        if not self._budget.try_reserve(size):
+            raise over_limit(
+                f"the server is receiving too many bytes at once (limit "
+                f"{cfg.max_inflight_put_bytes}); retry later"
+            )
+        self._reserved = size
+        self._key = bytes(key)
+        self._size = size
+        self._received = 0
+        self._parts = []
+
+    def add(self, data: Buffer) -> None:
+        """Take the next bytes of the current block; store it once complete.
+
+        A block given whole as ``bytes`` is stored as that very object (no copy).
+
+        Raises:
+            RequestError: no block was started, more bytes than declared came,
+                or the completed block is not a valid kvtier block.
+        """
+        if self._key is None:
+            raise invalid(
+                "PutFrame data before any block was started (the first frame needs a key)"
+            )
+        if self._received + len(data) > self._size:
+            raise invalid(f"block #{self.blocks} declared {self._size} bytes but more data arrived")
+        self._parts.append(data)
+        self._received += len(data)
+        if self._received == self._size:
             self._complete()
 
     def _complete(self) -> None:
         assert self._key is not None
+        # NOTE: joining one exact ``bytes`` object returns it as is: no copy.
         block = b"".join(self._parts)
         self._parts = []
         try:

@@ -12,7 +12,6 @@ into its status, and anything unexpected is logged and answered INTERNAL.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
@@ -22,18 +21,18 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvtier.server.admission import (
-    ByteBudget,
     RequestError,
     check_keys,
-    denied,
     draining,
     invalid,
     unauthenticated,
 )
 from kvtier.server.config import UNAUTHENTICATED_LABEL, Role, ServerConfig
+from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.server.proto.dataplane import DATA_PROTOCOL_VERSION
 from kvtier.server.proto.frames import (
     FrameError,
     FrameParts,
@@ -44,7 +43,7 @@ from kvtier.server.proto.frames import (
 from kvtier.server.proto.transport import SERVICE_NAME
 from kvtier.server.receiver import BlockReceiver
 from kvtier.server.stats import History
-from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
+from kvtier.server.tenants import Tenant
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,8 @@ class KvCacheService:
 
     Args:
         store: Where blocks live (the server owns it).
-        directory: Tokens → tenants.
+        gate: Tenants, roles, draining, the put budget and per-call metrics
+            (shared with the data plane).
         config: Limits.
         metrics: Server metrics.
         history: Figures for the Stats call.
@@ -107,44 +107,35 @@ class KvCacheService:
     def __init__(
         self,
         store: TieredStore,
-        directory: TenantDirectory,
+        gate: Gate,
         config: ServerConfig,
         metrics: ServerMetrics,
         history: History,
     ) -> None:
         self.store = store
-        self.directory = directory
+        self.gate = gate
         self.config = config
         self.metrics = metrics
         self.history = history
         self.version = server_version()
         self.started = time.time()
-        self.put_budget = ByteBudget(config.max_inflight_put_bytes)
-        metrics.inflight_put_bytes.set_function(lambda: float(self.put_budget.used))
-        self._draining = False
-        self._inflight = 0
-        self._idle = threading.Condition()
+        self.put_budget = gate.put_budget
+        self.data_port = 0
+        """The data plane's port for Health (0: none); set by the server once bound."""
 
     # -- lifecycle -------------------------------------------------------------
 
     def drain(self) -> None:
-        """Refuse new calls (UNAVAILABLE); calls in flight go on."""
-        self._draining = True
+        """Refuse new calls (UNAVAILABLE) on both planes; calls in flight go on."""
+        self.gate.drain()
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.gate.draining
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until no call is being served; ``False`` on timeout."""
-        deadline = time.monotonic() + timeout
-        with self._idle:
-            while self._inflight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        """Wait until no call (gRPC or data plane) is being served; ``False`` on timeout."""
+        return self.gate.wait_idle(timeout)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The service's handlers, for ``grpc.Server.add_generic_rpc_handlers``."""
@@ -190,38 +181,13 @@ class KvCacheService:
     # -- the wrapper every call goes through ---------------------------------
 
     def _authenticate(self, context: grpc.ServicerContext) -> Tenant | None:
-        try:
-            return self.directory.by_token(bearer_token(context))
-        except UnknownTokenError as e:
-            raise unauthenticated(str(e)) from None
+        return self.gate.authenticate(bearer_token(context))
 
-    @staticmethod
-    def _authorize(tenant: Tenant | None, role: Role | None) -> None:
-        if role is None:
-            return
-        if tenant is None:
-            raise unauthenticated(
-                "this server needs a token: send 'authorization: Bearer <token>' metadata"
-            )
-        if not tenant.may(role):
-            raise denied(f"tenant {tenant.name!r} has role {tenant.role}; this call needs {role}")
-
-    def _enter(self) -> None:
-        with self._idle:
-            self._inflight += 1
-        self.metrics.inflight.inc()
-
-    def _leave(self, method: str, label: str, code: grpc.StatusCode, start: float) -> None:
-        self.metrics.requests.labels(label, method, code.name).inc()
-        self.metrics.latency.labels(method).observe(time.perf_counter() - start)
-        self.metrics.inflight.dec()
-        with self._idle:
-            self._inflight -= 1
-            if not self._inflight:
-                self._idle.notify_all()
+    def _authorize(self, tenant: Tenant | None, role: Role | None) -> None:
+        self.gate.authorize(tenant, role, "'authorization: Bearer <token>' metadata")
 
     def _refuse(self, context: grpc.ServicerContext, e: RequestError) -> None:
-        self.metrics.rejected.labels(e.reason).inc()
+        self.gate.refused(e)
         context.abort(e.code, e.message)
 
     def _unary(
@@ -235,11 +201,11 @@ class KvCacheService:
 
         def handler(request: Any, context: grpc.ServicerContext) -> T:
             start = time.perf_counter()
-            self._enter()
+            self.gate.enter()
             label = UNAUTHENTICATED_LABEL
             code = grpc.StatusCode.INTERNAL
             try:
-                if self._draining and method != "Health":
+                if self.gate.draining and method != "Health":
                     raise draining()
                 tenant = self._authenticate(context)
                 if tenant is not None:
@@ -264,7 +230,7 @@ class KvCacheService:
                 )
                 raise AssertionError("unreachable: abort raises") from None
             finally:
-                self._leave(method, label, code, start)
+                self.gate.leave(method, label, code, start)
 
         return handler
 
@@ -277,11 +243,11 @@ class KvCacheService:
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[bytes]]:
         def handler(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
             start = time.perf_counter()
-            self._enter()
+            self.gate.enter()
             label = UNAUTHENTICATED_LABEL
             code = grpc.StatusCode.INTERNAL
             try:
-                if self._draining:
+                if self.gate.draining:
                     raise draining()
                 tenant = self._authenticate(context)
                 if tenant is not None:
@@ -302,7 +268,7 @@ class KvCacheService:
                     grpc.StatusCode.INTERNAL, f"{method}: internal error (see server log)"
                 )
             finally:
-                self._leave(method, label, code, start)
+                self.gate.leave(method, label, code, start)
 
         return handler
 
@@ -456,7 +422,7 @@ class KvCacheService:
     ) -> pb.HealthResponse:
         c = self.config
         return pb.HealthResponse(
-            status=pb.HealthResponse.DRAINING if self._draining else pb.HealthResponse.SERVING,
+            status=pb.HealthResponse.DRAINING if self.gate.draining else pb.HealthResponse.SERVING,
             version=self.version,
             protocol_version=PROTOCOL_VERSION,
             limits=pb.Limits(
@@ -467,4 +433,6 @@ class KvCacheService:
             ),
             tenant=tenant.name if tenant is not None else "",
             role=tenant.role if tenant is not None else "",
+            data_port=self.data_port,
+            data_protocol_version=DATA_PROTOCOL_VERSION if self.data_port else 0,
         )

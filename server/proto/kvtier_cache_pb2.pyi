@@ -192,7 +192,7 @@ class Limits(_message.Message):
     def __init__(self, max_block_size: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., chunk_size: _Optional[int] = ..., max_message_size: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "version", "protocol_version", "limits", "tenant", "role")
+    __slots__ = ("status", "version", "protocol_version", "limits", "tenant", "role", "data_port", "data_protocol_version")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNKNOWN: _ClassVar[HealthResponse.Status]
@@ -207,10 +207,14 @@ class HealthResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     version: str
     protocol_version: int
     limits: Limits
     tenant: str
     role: str
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tenant: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_protocol_version: int
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., tenant: _Optional[str] = ..., role: _Optional[str] = ..., data_port: _Optional[int] = ..., data_protocol_version: _Optional[int] = ...) -> None: ...

@@ -97,7 +97,7 @@ function render(data) {
   const st = $("status");
   st.textContent = data.ready ? "serving" : "draining";
   st.className = "badge " + (data.ready ? "ok" : "warn");
-  $("address").textContent = data.address;
+  $("address").textContent = data.address + (data.data_port ? " · data plane :" + data.data_port : "");
   $("version").textContent = "v" + data.version + (data.open ? " · open" : " · tokens required");
   $("uptime").textContent = "up " + fmtDuration(data.uptime_s);
   $("updated").textContent = "updated " + new Date(data.t * 1000).toLocaleTimeString();

@@ -1,0 +1,256 @@
+"""The bulk data plane's listener: a TCP (optionally TLS) port beside gRPC for Get and Put of block bytes.
+
+gRPC stays the control plane and a complete fallback; this port only moves
+block bytes, without protobuf or HTTP/2 framing: the server writes stored
+``bytes`` to the socket with gathered ``sendmsg`` (no copy in Python) and
+reads a put block straight into the ``bytes`` object it stores. The wire
+format is :mod:`kvtier.server.proto.dataplane`; one connection is served by
+a :class:`~kvtier.server.dataplane_session.DataPlaneSession` on its own
+thread (clients keep a few persistent connections, one per concurrent
+caller).
+
+::
+
+    start()   bind host:data_port · accept thread
+    accept    over data_max_connections: RESOURCE_EXHAUSTED and close;
+              else a thread: TLS handshake (if configured) · session
+    stop()    stop accepting · wake idle sessions (they close) · wait for
+              requests in flight (grace) · then cut what is left
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+
+from kvtier.errors import ConfigError
+from kvtier.server.config import ServerConfig
+from kvtier.server.dataplane_session import DataPlaneSession
+from kvtier.server.gate import Gate
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.proto import dataplane as wire
+from kvtier.server.proto.sockio import Stream, StreamError
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def server_tls_context(
+    cert_file: os.PathLike[str] | str, key_file: os.PathLike[str] | str
+) -> ssl.SSLContext:
+    """A TLS server context of the data plane (the same certificate as gRPC).
+
+    Raises:
+        ConfigError: the files cannot be loaded.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"server.tls: cannot load {cert_file} / {key_file}: {e}") from None
+    return context
+
+
+class DataPlaneServer:
+    """Accepts data-plane connections and serves each on its own thread.
+
+    Args:
+        config: ``host``, ``data_port``, limits and timeouts.
+        store: Where blocks live.
+        gate: Shared with the gRPC service (tenants, draining, budget, metrics).
+        metrics: Server metrics (``data_connections``).
+        tls: Server-side TLS context, or ``None`` for plain TCP.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: TieredStore,
+        gate: Gate,
+        metrics: ServerMetrics,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.gate = gate
+        self.metrics = metrics
+        self.tls = tls
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}  # thread ident -> its socket
+        self._threads: set[threading.Thread] = set()
+        self._accepting: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self) -> DataPlaneServer:
+        """Bind and accept in the background.
+
+        Raises:
+            ConfigError: the port cannot be bound.
+        """
+        c = self.config
+        assert c.data_port is not None, "the data plane is off (data_port: null)"
+        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((c.host.strip("[]"), c.data_port))
+            sock.listen(128)
+        except OSError as e:
+            sock.close()
+            raise ConfigError(
+                f"server: cannot bind the data plane to {c.host}:{c.data_port}: {e.strerror or e}"
+            ) from None
+        self._listener = sock
+        self.port = int(sock.getsockname()[1])
+        self._accepting = threading.Thread(
+            target=self._accept_loop, name="kvtier-data-accept", daemon=True
+        )
+        self._accepting.start()
+        return self
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    # -- accepting -------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stopping:
+            ready = dict(poller.poll())
+            if self._wake_r in ready or self._stopping:
+                return
+            try:
+                conn, _ = self._listener.accept()
+            except OSError as e:
+                if self._stopping:
+                    return
+                log.warning("data plane: accept failed: %s", e)
+                time.sleep(0.05)  # e.g. out of file descriptors: do not spin
+                continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            full = len(self._conns) >= self.config.data_max_connections
+            if not full and not self._stopping:
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="kvtier-data-conn", daemon=True
+                )
+                self._threads.add(thread)
+                thread.start()
+                self._conns[thread.ident or 0] = conn
+                return
+        # Refused before the handshake (plaintext reply; a TLS client just sees the close).
+        self.metrics.rejected.labels("limit").inc()
+        try:
+            conn.settimeout(0.5)
+            if self.tls is None:
+                reason = (
+                    "the server is shutting down"
+                    if self._stopping
+                    else f"more than {self.config.data_max_connections} data-plane connections"
+                )
+                code = (
+                    grpc.StatusCode.UNAVAILABLE
+                    if self._stopping
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                conn.sendall(wire.hello_reply(code.value[0], reason))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        c = self.config
+        me = threading.current_thread()
+        self.metrics.data_connections.inc()
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = conn
+            if self.tls is not None:
+                conn.settimeout(c.data_io_timeout_s)
+                sock = self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns[me.ident or 0] = sock
+            session = DataPlaneSession(
+                Stream(sock, c.data_io_timeout_s),
+                self.store,
+                self.gate,
+                c,
+                self.metrics,
+                self._wake_r,
+            )
+            session.run()
+        except (OSError, ssl.SSLError, StreamError) as e:
+            log.debug("data-plane connection failed before its session: %s", e)
+        finally:
+            conn.close()
+            self.metrics.data_connections.dec()
+            with self._lock:
+                self._conns.pop(me.ident or 0, None)
+                self._threads.discard(me)
+
+    # -- stopping --------------------------------------------------------------------
+
+    def stop(self, grace: float) -> bool:
+        """Stop accepting, close idle connections, let requests in flight finish.
+
+        Args:
+            grace: Seconds requests in flight may take; then their connections are cut.
+
+        Returns:
+            Whether every connection ended within ``grace``.
+        """
+        with self._lock:
+            if self._stopping:
+                return True
+            self._stopping = True
+        os.write(self._wake_w, b"x")  # never read: every poller waiting on it wakes
+        if self._accepting is not None:
+            self._accepting.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
+        deadline = time.monotonic() + grace
+        clean = self._join(deadline)
+        if not clean:
+            log.warning("data plane: requests still running after %.1f s; cutting them", grace)
+            with self._lock:
+                socks = list(self._conns.values())
+            for s in socks:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    continue
+            if not self._join(time.monotonic() + 5):
+                return False  # NOTE: the wake pipe stays open while a thread may still poll it
+        os.close(self._wake_w)
+        os.close(self._wake_r)
+        return clean
+
+    def _join(self, deadline: float) -> bool:
+        while True:
+            with self._lock:
+                threads = list(self._threads)
+            if not threads:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            threads[0].join(timeout=left)
