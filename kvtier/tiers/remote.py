@@ -8,9 +8,17 @@ recomputes the rest. How gRPC statuses map onto kvtier errors:
 :mod:`kvtier.tiers.remote_errors`.
 
 On first use the tier asks the server's Health for its limits (largest block,
-keys per call, frame size) and checks the protocol version and the token;
-every later call stays within those limits, splitting batches as needed.
-``prefix_length`` is one Lookup call (per ``max_keys_per_call`` keys).
+keys per call, frame size), its data plane, and checks the protocol version
+and the token; every later call stays within those limits, splitting batches
+as needed. ``prefix_length`` is one Lookup call (per ``max_keys_per_call`` keys).
+
+**Two planes.** Block bytes of ``get`` and ``put`` travel over the server's
+bulk data plane when it advertises one (:mod:`kvtier.tiers.remote_dataplane`:
+plain TCP or TLS, no protobuf or HTTP/2 framing, a fraction of gRPC's CPU per
+byte); everything else, and Get/Put whenever the data plane cannot be
+reached, goes over gRPC. A data plane that cannot be reached is left alone
+for ``breaker_reset_s`` (Get/Put use gRPC meanwhile) and counted in
+:meth:`RemoteTier.transport`. Both planes share the retries and the breaker.
 
 Blocks are not verified here (``verifies_reads = False``): the store verifies
 what a non-verifying tier returns, and deletes a corrupt block.
@@ -18,6 +26,7 @@ what a non-verifying tier returns, and deletes a corrupt block.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,6 +39,7 @@ from kvtier.errors import ConfigError, TierUnavailableError, TransientError
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.server.proto.dataplane import DATA_PROTOCOL_VERSION
 from kvtier.server.proto.frames import (
     FrameError,
     FrameParts,
@@ -40,7 +50,14 @@ from kvtier.server.proto.frames import (
 from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options, method
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.remote_config import RemoteTierConfig
+from kvtier.tiers.remote_dataplane import (
+    DataPlaneClient,
+    TransportCounter,
+    TransportCounts,
+    client_tls_context,
+)
 from kvtier.tiers.remote_errors import (
+    DataPlaneUnavailableError,
     RemoteAuthError,
     RemoteProtocolError,
     RemoteRetryableError,
@@ -48,6 +65,8 @@ from kvtier.tiers.remote_errors import (
 )
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _LIMIT_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT})
 
@@ -123,6 +142,7 @@ class RemoteTier(Tier):
         self.name = config.name
         self.config = config
         token = config.resolve_token(env)
+        self._token = token
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
@@ -173,7 +193,13 @@ class RemoteTier(Tier):
             errors=(RemoteRetryableError,),
         )
         self._limits: pb.Limits | None = None
+        self._data_port = 0  # advertised with the limits (0: none, or another protocol)
         self._limits_lock = threading.Lock()
+        self._data: DataPlaneClient | None = None
+        self._data_lock = threading.Lock()
+        self._data_retry_at = 0.0  # the data plane at _data_failed failed: gRPC until then
+        self._data_failed: tuple[str, int] | None = None
+        self._transport = TransportCounter()
         self._usage = TierUsage(0, None, None)
         self._usage_at = -float("inf")
 
@@ -193,8 +219,7 @@ class RemoteTier(Tier):
             except grpc.RpcError as e:
                 if e.code() in _LIMIT_CODES:
                     # A server restarted with other limits: ask Health again next time.
-                    with self._limits_lock:
-                        self._limits = None
+                    self._forget_limits()
                 raise map_rpc_error(e, self.name, op) from None
 
         try:
@@ -234,7 +259,14 @@ class RemoteTier(Tier):
             raise RemoteProtocolError(f"remote tier {self.name!r}: server sent no limits")
         with self._limits_lock:
             self._limits = lim
+            speaks = health.data_protocol_version == DATA_PROTOCOL_VERSION
+            self._data_port = int(health.data_port) if speaks else 0
         return lim
+
+    def _forget_limits(self) -> None:
+        """Ask Health again on the next call (the server may have restarted with other settings)."""
+        with self._limits_lock:
+            self._limits = None
 
     def health(self) -> pb.HealthResponse:
         """The server's Health answer (status, version, limits, who we are)."""
@@ -303,13 +335,30 @@ class RemoteTier(Tier):
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
         for a, b in self._batches(len(keys)):
-            req = pb.KeysRequest(keys=keys[a:b])
-            blocks = self._call("get", lambda req=req, n=b - a: self._get_once(req, n))  # type: ignore[misc]
-            out[a:b] = blocks
+            batch = keys[a:b]
+            out[a:b] = self._call("get", lambda batch=batch: self._get_attempt(batch))  # type: ignore[misc]
         return out
 
+    def _get_attempt(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """One attempt: over the data plane if there is one, else (or if it is unreachable) gRPC."""
+        data, lim = self._data_plane()
+        if data is not None and lim is not None:
+            try:
+                blocks = data.get(
+                    keys,
+                    max_block_size=lim.max_block_size,
+                    timeout_s=self.config.transfer_timeout_s,
+                )
+            except DataPlaneUnavailableError as e:
+                self._data_unavailable(data, e)
+            else:
+                self._transport.add("data_gets")
+                return blocks
+        self._transport.add("grpc_gets")
+        return self._get_once(pb.KeysRequest(keys=keys), len(keys))
+
     def _get_once(self, req: pb.KeysRequest, n: int) -> list[bytes | None]:
-        """One Get stream, reassembled (a whole attempt: retried from scratch on failure)."""
+        """One gRPC Get stream, reassembled (a whole attempt: retried from scratch on failure)."""
         out: list[bytes | None] = [None] * n
         seen = [False] * n
         parts: list[memoryview] = []
@@ -384,6 +433,28 @@ class RemoteTier(Tier):
     def _put_batch(
         self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int
     ) -> None:
+        stored = self._call("put", lambda: self._put_attempt(items, batch, chunk))
+        if stored != len(batch):
+            raise RemoteProtocolError(
+                f"remote tier {self.name!r}: Put stored {stored} of {len(batch)} blocks"
+            )
+
+    def _put_attempt(
+        self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int
+    ) -> int:
+        """One attempt of a batch: the data plane if there is one, else (or if unreachable) gRPC."""
+        data, _ = self._data_plane()
+        if data is not None:
+            try:
+                stored = data.put(
+                    [items[i] for i in batch], timeout_s=self.config.transfer_timeout_s
+                )
+            except DataPlaneUnavailableError as e:
+                self._data_unavailable(data, e)
+            else:
+                self._transport.add("data_puts")
+                return stored
+
         def frames() -> Iterator[FrameParts]:
             for i in batch:
                 key, block = items[i]
@@ -392,18 +463,71 @@ class RemoteTier(Tier):
                 for off in range(chunk, len(block), chunk):
                     yield put_frame(data=view[off : off + chunk])
 
-        resp = self._call(
-            "put",
-            lambda: self._put(
-                batches(frames(), chunk),
-                timeout=self.config.transfer_timeout_s,
-                metadata=self._metadata,
-            ),
+        self._transport.add("grpc_puts")
+        resp = self._put(
+            batches(frames(), chunk),
+            timeout=self.config.transfer_timeout_s,
+            metadata=self._metadata,
         )
-        if resp.blocks != len(batch):
-            raise RemoteProtocolError(
-                f"remote tier {self.name!r}: Put stored {resp.blocks} of {len(batch)} blocks"
-            )
+        return int(resp.blocks)
+
+    # -- the data plane --------------------------------------------------------
+
+    def _data_plane(self) -> tuple[DataPlaneClient | None, pb.Limits | None]:
+        """The data-plane client to use now and the limits, or ``None`` (off, not offered,
+        cooling down, or the limits are being asked again: this attempt uses gRPC).
+
+        NOTE: reads what the last Health said and never asks it: this runs inside
+        ``_call``, and a nested call would take a second breaker slot.
+        """
+        if not self.config.data_plane:
+            return None, None
+        with self._limits_lock:
+            lim, port = self._limits, self._data_port
+        if lim is None or not port:
+            return None, None
+        host = self.config.address.rpartition(":")[0]
+        if self.config.data_address is not None:
+            host, _, p = self.config.data_address.rpartition(":")
+            port = int(p)
+        where = (host.strip("[]"), port)
+        if where == self._data_failed and time.monotonic() < self._data_retry_at:
+            return None, None  # cooling down (a server restarted on another port is tried at once)
+        with self._data_lock:
+            data = self._data
+            if data is None or data.address != where:
+                if data is not None:
+                    data.close()
+                data = self._data = DataPlaneClient(
+                    self.name,
+                    host,
+                    port,
+                    self._token,
+                    self._transport,
+                    tls=client_tls_context(
+                        str(self.config.ca_file) if self.config.ca_file else None
+                    )
+                    if self.config.uses_tls
+                    else None,
+                    server_hostname=self.config.server_name,
+                    connect_timeout_s=self.config.timeout_s,
+                    max_idle=self.config.data_connections,
+                    on_limit_refusal=self._forget_limits,
+                )
+            return data, lim
+
+    def _data_unavailable(self, data: DataPlaneClient, e: DataPlaneUnavailableError) -> None:
+        """Leave this data plane alone for ``breaker_reset_s`` (gRPC meanwhile) and ask Health
+        again: a restarted server may listen on another data port."""
+        self._transport.add("fallbacks")
+        self._data_failed = data.address
+        self._data_retry_at = time.monotonic() + self.config.breaker_reset_s
+        self._forget_limits()
+        log.warning("%s; using gRPC for %.1f s", e, self.config.breaker_reset_s)
+
+    def transport(self) -> TransportCounts:
+        """How many Get and Put attempts each plane carried, and the fallbacks to gRPC."""
+        return self._transport.snapshot()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -439,6 +563,9 @@ class RemoteTier(Tier):
         return self._usage
 
     def close(self) -> None:
+        with self._data_lock:
+            if self._data is not None:
+                self._data.close()
         self._channel.close()
 
     def describe(self) -> dict[str, Any]:
@@ -448,6 +575,8 @@ class RemoteTier(Tier):
             "address": self.config.address,
             "tls": self.config.uses_tls,
             "breaker": self.breaker.state.value,
+            "data_plane": None if self._data is None else "{}:{}".format(*self._data.address),
+            "transport": vars(self.transport()),
             "limits": None
             if lim is None
             else {

@@ -13,6 +13,7 @@ In YAML, one item of ``tiers:``::
       retries: 2
       breaker_failures: 5
       breaker_reset_s: 5.0
+      data_plane: true                   # Get/Put over the server's data port when it has one
 
 Imports neither grpc nor the tier, so the top-level configuration can embed it.
 """
@@ -66,14 +67,28 @@ class RemoteTierConfig(BaseModel):
     usage_refresh_s: float = Field(
         5.0, ge=0, description="how long usage() reuses the server's last answer"
     )
+    data_plane: bool = Field(
+        True,
+        description="move block bytes over the server's bulk data plane when it offers one "
+        "(gRPC Get/Put otherwise, and whenever it cannot be reached)",
+    )
+    data_address: str | None = Field(
+        None,
+        description="host:port of the data plane when it is not the address's host and the "
+        "port the server advertises (port mapping, proxies)",
+    )
+    data_connections: int = Field(8, ge=0, description="idle data-plane connections kept for reuse")
 
     @model_validator(mode="after")
     def _check(self) -> RemoteTierConfig:
         if self.token is not None and self.token_env is not None:
             raise ValueError("set token or token_env, not both")
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"address {self.address!r} must be host:port")
+        for field, value in (("address", self.address), ("data_address", self.data_address)):
+            if value is None:
+                continue
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{field} {value!r} must be host:port")
         return self
 
     @property

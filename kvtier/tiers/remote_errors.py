@@ -13,6 +13,10 @@ INVALID_ARGUMENT, UNIMPLEMENTED, anything      :class:`RemoteProtocolError`     
 else                                           (a ``ConfigError``)
 =============================================  ==================================  =========
 
+The data plane's STATUS codes are gRPC's numbers and map the same way
+(:func:`error_for_status`). :class:`DataPlaneUnavailableError` never leaves
+the tier: it makes a call fall back to gRPC.
+
 Transient errors count against the circuit breaker; the others do not (a
 wrong token says nothing about the server's health). ``RESOURCE_EXHAUSTED``
 is transient because the client never exceeds the static limits it learned
@@ -44,6 +48,11 @@ class RemoteProtocolError(ConfigError):
     malformed, a method it does not know, or an answer that breaks the protocol."""
 
 
+class DataPlaneUnavailableError(TransientError):
+    """The data plane cannot be used now (no connection, a refused or failed
+    handshake, another protocol version); the tier falls back to gRPC."""
+
+
 _RETRYABLE = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -62,7 +71,19 @@ def map_rpc_error(e: grpc.RpcError, tier: str, op: str) -> Exception:
     code = e.code() if isinstance(e, grpc.Call) else None
     details = (e.details() if isinstance(e, grpc.Call) else None) or str(e)
     name = code.name if code is not None else "UNKNOWN"
-    message = f"remote tier {tier!r}: {op} failed with {name}: {details}"
+    return error_for_status(code, f"remote tier {tier!r}: {op} failed with {name}: {details}")
+
+
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode | None:
+    """The gRPC status of a number (as the data plane sends it); ``None`` if unknown."""
+    return _BY_NUMBER.get(number)
+
+
+def error_for_status(code: grpc.StatusCode | None, message: str) -> Exception:
+    """The kvtier error for a status (``None``: unknown), per the table above."""
     if code in _RETRYABLE:
         return RemoteRetryableError(message)
     if code in _AUTH:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import grpc
+import torch
 
+from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.server.app import CacheServer
 from kvtier.server.config import ServerConfig, TenantConfig
@@ -108,3 +111,18 @@ def requests_of(server: CacheServer, method: str) -> float:
 
 def keys(ids: Sequence[int]) -> list[bytes]:
     return [key(i) for i in ids]
+
+
+def sized_block(i: int, nbytes: int) -> bytes:
+    """A valid block of about ``nbytes`` (within 128 bytes), content depending on ``i``; fast to make."""
+    tokens = max(1, (nbytes - 64) // 128)  # [2 layers, K/V, tokens, 2 heads, 8] bf16: 128 B/token
+    values = (torch.arange(2 * 2 * tokens * 2 * 8, dtype=torch.int32) * (2 * i + 1)) % 251
+    return encode_block(values.to(torch.bfloat16).view(2, 2, tokens, 2, 8))
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout} s"
+        time.sleep(0.02)

@@ -1,5 +1,6 @@
-"""16 concurrent clients of two tenants put, get, look up and delete for a bounded time;
-the store stays consistent and every block is readable and exact."""
+"""16 concurrent clients of two tenants put, get, look up and delete for a bounded time, half
+of them moving blocks over the data plane and half over gRPC; the store stays consistent and
+every block is readable and exact."""
 
 from __future__ import annotations
 
@@ -40,13 +41,21 @@ def test_sixteen_clients_leave_the_store_consistent(tmp_path: Path) -> None:
     deleted: dict[str, list[int]] = {"alpha": [], "beta": []}
     lock = threading.Lock()
     ops = [0] * CLIENTS
+    planes: dict[str, int] = {"data": 0, "grpc": 0}
     with running_server(cfg, store_config) as server:
         start_line = threading.Barrier(CLIENTS)
         deadline = time.monotonic() + SECONDS + 10  # the clock starts at the barrier
 
         def client(n: int) -> None:
             tenant = "alpha" if n % 2 == 0 else "beta"
-            tier = remote(server, token=TOKENS[tenant], transfer_timeout_s=30, timeout_s=10)
+            # clients 0, 1 (mod 4) use the data plane, 2, 3 gRPC only: both tenants on both
+            tier = remote(
+                server,
+                token=TOKENS[tenant],
+                transfer_timeout_s=30,
+                timeout_s=10,
+                data_plane=n % 4 < 2,
+            )
             rng = random.Random(n)
             try:
                 start_line.wait(timeout=30)
@@ -81,6 +90,12 @@ def test_sixteen_clients_leave_the_store_consistent(tmp_path: Path) -> None:
             except Exception as e:  # collected and reported by the main thread
                 errors.append(f"client {n}: {type(e).__name__}: {e}")
             finally:
+                t = tier.transport()
+                with lock:
+                    planes["data"] += t.data_gets + t.data_puts
+                    planes["grpc"] += t.grpc_gets + t.grpc_puts
+                    if t.fallbacks:
+                        errors.append(f"client {n}: {t.fallbacks} fallbacks to gRPC")
                 tier.close()
 
         threads = [threading.Thread(target=client, args=(n,)) for n in range(CLIENTS)]
@@ -91,6 +106,7 @@ def test_sixteen_clients_leave_the_store_consistent(tmp_path: Path) -> None:
         assert not any(t.is_alive() for t in threads), "a client hung"
         assert not errors, errors[:5]
         assert sum(ops) >= CLIENTS  # every client did something
+        assert planes["data"] > 0 and planes["grpc"] > 0, planes
 
         assert server.store.flush(timeout=30)
         server.store.check_integrity()

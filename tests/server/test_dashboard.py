@@ -75,6 +75,11 @@ def test_http_endpoints_serve_the_page_metrics_and_stats() -> None:
         with urllib.request.urlopen(base + "/api/stats", timeout=5) as r:
             stats = json.load(r)
         assert stats["totals"]["lookup_hits"] == 1 and stats["totals"]["lookup_keys"] == 2
+        # the put went over the data plane, and counts like any call
+        assert stats["data_port"] == server.data_port and stats["totals"]["bytes_in"] == len(
+            block(1)
+        )
+        assert 'method="data.Put",tenant="alpha"} 1.0' in text
         assert [t["name"] for t in stats["tenants"]] == ["alpha"]
         for bad in ("/static/../config.py", "/nope", "/static/.hidden"):
             with pytest.raises(urllib.error.HTTPError) as e:
@@ -139,6 +144,8 @@ def test_dashboard_renders_live_hit_rates_in_chromium(tmp_path: Path) -> None:
             for w in workers:
                 w.join(timeout=30)
         assert not failures, failures
+        # the traffic went over the data plane, which the header names
+        assert f"data plane :{server.data_port}" in dom
     # values the page's script wrote into the DOM
     assert float(_data_value(dom, "kpi-lookup-hit-rate")) > 0
     assert float(_data_value(dom, "kpi-get-hit-rate")) > 0

@@ -33,9 +33,10 @@ from tests.server.helpers import (
 )
 
 
-def test_round_trip_and_the_tier_contract() -> None:
+@pytest.mark.parametrize("data_plane", [True, False], ids=["data-plane", "grpc"])
+def test_round_trip_and_the_tier_contract(data_plane: bool) -> None:
     with running_server() as server:
-        tier = remote(server)
+        tier = remote(server, data_plane=data_plane)
         assert isinstance(tier, Tier) and not tier.verifies_reads and not tier.fast
         items = [(key(i), block(i, tokens=100 + i)) for i in range(6)]
         assert tier.put(items) == [True] * 6
@@ -48,6 +49,9 @@ def test_round_trip_and_the_tier_contract() -> None:
         assert tier.get([]) == [] and tier.contains([]) == [] and tier.put([]) == []
         assert tier.prefix_length([]) == 0 and tier.delete([]) == 0
         assert tier.usage().used_bytes == sum(len(b) for _, b in items[1:])
+        t = tier.transport()
+        assert (t.data_gets > 0, t.grpc_gets > 0) == (data_plane, not data_plane)
+        assert (t.data_puts, t.grpc_puts) == ((1, 0) if data_plane else (0, 1))
         tier.close()
 
 
@@ -91,14 +95,19 @@ def test_put_skips_blocks_the_server_has_and_refuses_oversized_ones() -> None:
         tier.close()
 
 
-def test_large_blocks_stream_in_frames() -> None:
+@pytest.mark.parametrize("data_plane", [True, False], ids=["data-plane", "grpc"])
+def test_large_blocks_stream_in_frames(data_plane: bool) -> None:
     with running_server(
         server_config(chunk_size=256 * 1024, max_message_size=1 << 20, http_port=None)
     ) as server:
-        tier = remote(server, put_batch_bytes=4 << 20)
+        tier = remote(server, put_batch_bytes=4 << 20, data_plane=data_plane)
         items = [(key(i), block(i, tokens=40_000)) for i in range(3)]  # ~5 MiB each
         assert tier.put(items) == [True] * 3
         assert tier.get([k for k, _ in items]) == [b for _, b in items]
+        t = tier.transport()
+        # one put per batch of put_batch_bytes (each ~5 MiB block alone), one get
+        assert (t.data_puts, t.data_gets) == ((3, 1) if data_plane else (0, 0))
+        assert (t.grpc_puts, t.grpc_gets) == ((0, 0) if data_plane else (3, 1))
         tier.close()
 
 
