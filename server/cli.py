@@ -151,6 +151,7 @@ def stats(address: str, token: str | None, tls: bool, ca_file: str | None, timeo
     click.echo(
         f"kvtier cache server {address} — version {s.version}, {status}, "
         f"up {s.uptime_s:.0f} s, you are {health.tenant or '(no tenant)'} ({health.role or '-'})"
+        + (f", data plane :{health.data_port}" if health.data_port else "")
     )
     click.echo(
         f"lookup hit rate {_rate(s.lookup_hits, s.lookup_keys)} "

@@ -92,7 +92,12 @@ class Stream:
         self._arm(timeout_s)
 
     def set_deadline(self, deadline: float | None) -> None:
-        """Bound every following operation by the monotonic time ``deadline`` (``None``: clear)."""
+        """Bound every following operation by the monotonic time ``deadline`` (``None``: clear).
+
+        Each operation is armed with the time left (re-armed only when that
+        drifted by more than 10 %, to save system calls), and loops check
+        the deadline between system calls.
+        """
         self._deadline = deadline
         if deadline is None:
             self._arm(self._timeout)

@@ -159,7 +159,7 @@ def test_stats_command_prints_hit_rates_tiers_and_tenants(tmp_path: Path) -> Non
         result = runner.invoke(main, ["stats", "--server", address, "--token", TOKENS["ops"]])
         assert result.exit_code == 0, result.output
         out = result.output
-        assert "you are ops (admin)" in out
+        assert "you are ops (admin), data plane :" in out
         assert "lookup hit rate  50.0 % (4/8 keys)" in out
         assert "get hit rate  50.0 % (1/2 keys)" in out
         assert "cpu" in out and "disk" in out

@@ -241,3 +241,20 @@ def test_a_server_restarted_on_another_data_port_is_found_again() -> None:
         assert (t.fallbacks, t.data_gets, t.grpc_gets) == (1, 1, 0)
         assert tier.describe()["data_plane"] == f"127.0.0.1:{new_data_port}"
     tier.close()
+
+
+def test_a_put_refused_mid_send_reports_the_servers_reason() -> None:
+    cfg = server_config(http_port=None, max_block_size=16 << 20, max_inflight_put_bytes=32 << 20)
+    with running_server(cfg) as server:
+        tier = remote(server, retries=0, skip_existing=False)
+        big = block(40, tokens=60_000)  # ~7.5 MiB: still being sent when the refusal comes
+        assert server.service.put_budget.try_reserve(30 << 20)  # other puts hold the budget
+        try:
+            with pytest.raises(RemoteRetryableError, match=r"RESOURCE_EXHAUSTED.*retry later"):
+                tier.put([(key(40), big)])
+        finally:
+            server.service.put_budget.release(30 << 20)
+        assert tier.transport().fallbacks == 0
+        assert tier.put([(key(40), big)]) == [True]  # room again: a fresh connection, stored
+        assert tier.get([key(40)]) == [big]
+        tier.close()
