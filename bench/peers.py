@@ -1,8 +1,9 @@
 """Networked peers for ``bench/store.py``: a ``kvtier serve`` process and a Redis server.
 
 * :class:`ServerProcess` runs ``kvtier serve`` as a subprocess on free
-  loopback ports with CPU-only storage (no disk, no TLS, open), so the
-  figure is the protocol and the transport, not a disk.
+  loopback ports (gRPC and, since ``port`` is 0, the data plane too) with
+  CPU-only storage (no disk, no TLS, open), so the figure is the protocol
+  and the transport, not a disk.
 * :class:`RedisProcess` runs ``redis-server`` on a free port with no
   persistence and an LRU memory cap (the same policy as the CPU tier);
   :class:`RedisTier` puts and gets blocks with redis-py + hiredis, one

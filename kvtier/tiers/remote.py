@@ -50,12 +50,7 @@ from kvtier.server.proto.frames import (
 from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options, method
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.remote_config import RemoteTierConfig
-from kvtier.tiers.remote_dataplane import (
-    DataPlaneClient,
-    TransportCounter,
-    TransportCounts,
-    client_tls_context,
-)
+from kvtier.tiers.remote_dataplane import DataPlaneClient
 from kvtier.tiers.remote_errors import (
     DataPlaneUnavailableError,
     RemoteAuthError,
@@ -63,6 +58,7 @@ from kvtier.tiers.remote_errors import (
     RemoteRetryableError,
     map_rpc_error,
 )
+from kvtier.tiers.remote_planes import PlaneSelector, TransportCounts
 
 T = TypeVar("T")
 
@@ -142,7 +138,6 @@ class RemoteTier(Tier):
         self.name = config.name
         self.config = config
         token = config.resolve_token(env)
-        self._token = token
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
@@ -193,13 +188,8 @@ class RemoteTier(Tier):
             errors=(RemoteRetryableError,),
         )
         self._limits: pb.Limits | None = None
-        self._data_port = 0  # advertised with the limits (0: none, or another protocol)
         self._limits_lock = threading.Lock()
-        self._data: DataPlaneClient | None = None
-        self._data_lock = threading.Lock()
-        self._data_retry_at = 0.0  # the data plane at _data_failed failed: gRPC until then
-        self._data_failed: tuple[str, int] | None = None
-        self._transport = TransportCounter()
+        self._planes = PlaneSelector(config, token, on_limit_refusal=self._forget_limits)
         self._usage = TierUsage(0, None, None)
         self._usage_at = -float("inf")
 
@@ -257,10 +247,10 @@ class RemoteTier(Tier):
         lim = health.limits
         if not (lim.chunk_size and lim.max_keys_per_call and lim.max_block_size):
             raise RemoteProtocolError(f"remote tier {self.name!r}: server sent no limits")
+        speaks = health.data_protocol_version == DATA_PROTOCOL_VERSION
+        self._planes.advertised(int(health.data_port) if speaks else 0)
         with self._limits_lock:
             self._limits = lim
-            speaks = health.data_protocol_version == DATA_PROTOCOL_VERSION
-            self._data_port = int(health.data_port) if speaks else 0
         return lim
 
     def _forget_limits(self) -> None:
@@ -341,7 +331,10 @@ class RemoteTier(Tier):
 
     def _get_attempt(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """One attempt: over the data plane if there is one, else (or if it is unreachable) gRPC."""
-        data, lim = self._data_plane()
+        # NOTE: the limits as last learned, never asked here: this runs inside _call, and
+        # a nested call (Health) would take a second breaker slot.
+        lim = self._limits
+        data = self._planes.client() if lim is not None else None
         if data is not None and lim is not None:
             try:
                 blocks = data.get(
@@ -352,9 +345,9 @@ class RemoteTier(Tier):
             except DataPlaneUnavailableError as e:
                 self._data_unavailable(data, e)
             else:
-                self._transport.add("data_gets")
+                self._planes.count("data_gets")
                 return blocks
-        self._transport.add("grpc_gets")
+        self._planes.count("grpc_gets")
         return self._get_once(pb.KeysRequest(keys=keys), len(keys))
 
     def _get_once(self, req: pb.KeysRequest, n: int) -> list[bytes | None]:
@@ -443,7 +436,7 @@ class RemoteTier(Tier):
         self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int
     ) -> int:
         """One attempt of a batch: the data plane if there is one, else (or if unreachable) gRPC."""
-        data, _ = self._data_plane()
+        data = self._planes.client()
         if data is not None:
             try:
                 stored = data.put(
@@ -452,7 +445,7 @@ class RemoteTier(Tier):
             except DataPlaneUnavailableError as e:
                 self._data_unavailable(data, e)
             else:
-                self._transport.add("data_puts")
+                self._planes.count("data_puts")
                 return stored
 
         def frames() -> Iterator[FrameParts]:
@@ -463,7 +456,7 @@ class RemoteTier(Tier):
                 for off in range(chunk, len(block), chunk):
                     yield put_frame(data=view[off : off + chunk])
 
-        self._transport.add("grpc_puts")
+        self._planes.count("grpc_puts")
         resp = self._put(
             batches(frames(), chunk),
             timeout=self.config.transfer_timeout_s,
@@ -473,61 +466,16 @@ class RemoteTier(Tier):
 
     # -- the data plane --------------------------------------------------------
 
-    def _data_plane(self) -> tuple[DataPlaneClient | None, pb.Limits | None]:
-        """The data-plane client to use now and the limits, or ``None`` (off, not offered,
-        cooling down, or the limits are being asked again: this attempt uses gRPC).
-
-        NOTE: reads what the last Health said and never asks it: this runs inside
-        ``_call``, and a nested call would take a second breaker slot.
-        """
-        if not self.config.data_plane:
-            return None, None
-        with self._limits_lock:
-            lim, port = self._limits, self._data_port
-        if lim is None or not port:
-            return None, None
-        host = self.config.address.rpartition(":")[0]
-        if self.config.data_address is not None:
-            host, _, p = self.config.data_address.rpartition(":")
-            port = int(p)
-        where = (host.strip("[]"), port)
-        if where == self._data_failed and time.monotonic() < self._data_retry_at:
-            return None, None  # cooling down (a server restarted on another port is tried at once)
-        with self._data_lock:
-            data = self._data
-            if data is None or data.address != where:
-                if data is not None:
-                    data.close()
-                data = self._data = DataPlaneClient(
-                    self.name,
-                    host,
-                    port,
-                    self._token,
-                    self._transport,
-                    tls=client_tls_context(
-                        str(self.config.ca_file) if self.config.ca_file else None
-                    )
-                    if self.config.uses_tls
-                    else None,
-                    server_hostname=self.config.server_name,
-                    connect_timeout_s=self.config.timeout_s,
-                    max_idle=self.config.data_connections,
-                    on_limit_refusal=self._forget_limits,
-                )
-            return data, lim
-
     def _data_unavailable(self, data: DataPlaneClient, e: DataPlaneUnavailableError) -> None:
         """Leave this data plane alone for ``breaker_reset_s`` (gRPC meanwhile) and ask Health
         again: a restarted server may listen on another data port."""
-        self._transport.add("fallbacks")
-        self._data_failed = data.address
-        self._data_retry_at = time.monotonic() + self.config.breaker_reset_s
+        self._planes.unavailable(data)
         self._forget_limits()
         log.warning("%s; using gRPC for %.1f s", e, self.config.breaker_reset_s)
 
     def transport(self) -> TransportCounts:
         """How many Get and Put attempts each plane carried, and the fallbacks to gRPC."""
-        return self._transport.snapshot()
+        return self._planes.counts()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -563,9 +511,7 @@ class RemoteTier(Tier):
         return self._usage
 
     def close(self) -> None:
-        with self._data_lock:
-            if self._data is not None:
-                self._data.close()
+        self._planes.close()
         self._channel.close()
 
     def describe(self) -> dict[str, Any]:
@@ -575,7 +521,7 @@ class RemoteTier(Tier):
             "address": self.config.address,
             "tls": self.config.uses_tls,
             "breaker": self.breaker.state.value,
-            "data_plane": None if self._data is None else "{}:{}".format(*self._data.address),
+            "data_plane": self._planes.address(),
             "transport": vars(self.transport()),
             "limits": None
             if lim is None

@@ -37,7 +37,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -61,36 +60,6 @@ _REFUSAL_READ_S = 0.5
 """After a failed send, how long to wait for the STATUS that explains it."""
 
 
-@dataclass
-class TransportCounts:
-    """Which plane moved the tier's Get and Put calls (attempts), and fallbacks to gRPC."""
-
-    data_gets: int = 0
-    data_puts: int = 0
-    grpc_gets: int = 0
-    grpc_puts: int = 0
-    fallbacks: int = 0
-    """Times the data plane could not be used and a call went over gRPC instead."""
-    connects: int = 0
-    """Data-plane connections opened."""
-
-
-class TransportCounter:
-    """Thread-safe :class:`TransportCounts`."""
-
-    def __init__(self) -> None:
-        self._counts = TransportCounts()
-        self._lock = threading.Lock()
-
-    def add(self, field: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self._counts, field, getattr(self._counts, field) + n)
-
-    def snapshot(self) -> TransportCounts:
-        with self._lock:
-            return TransportCounts(**vars(self._counts))
-
-
 def client_tls_context(ca_file: str | None) -> ssl.SSLContext:
     """TLS for the data plane: verify the server against ``ca_file`` (default: the system's roots)."""
     return ssl.create_default_context(cafile=ca_file)
@@ -104,7 +73,7 @@ class DataPlaneClient:
         host: The server's host.
         port: Its data port.
         token: Bearer token (``None``: none).
-        counter: Counts connections opened.
+        on_connect: Called for each connection opened (counting).
         tls: Client TLS context, or ``None`` for plain TCP.
         server_hostname: The name TLS checks (default: ``host``).
         connect_timeout_s: Bound of connecting and of the handshake.
@@ -120,8 +89,8 @@ class DataPlaneClient:
         host: str,
         port: int,
         token: str | None,
-        counter: TransportCounter,
         *,
+        on_connect: Callable[[], None] | None = None,
         tls: ssl.SSLContext | None = None,
         server_hostname: str | None = None,
         connect_timeout_s: float = 1.0,
@@ -132,7 +101,7 @@ class DataPlaneClient:
         self.host = host.strip("[]")
         self.port = port
         self._hello = wire.hello(token)
-        self._counter = counter
+        self._on_connect = on_connect
         self._tls = tls
         self._server_hostname = server_hostname or self.host
         self._connect_timeout_s = connect_timeout_s
@@ -346,7 +315,8 @@ class DataPlaneClient:
         except BaseException:
             sock.close()
             raise
-        self._counter.add("connects")
+        if self._on_connect is not None:
+            self._on_connect()
         return stream
 
     def _unavailable(self, what: str) -> DataPlaneUnavailableError:
