@@ -79,8 +79,9 @@ class DataPlaneClient:
         connect_timeout_s: Bound of connecting and of the handshake.
         max_idle: Idle connections kept for reuse.
         on_limit_refusal: Called when the server refuses a request with
-            RESOURCE_EXHAUSTED or INVALID_ARGUMENT (the tier asks for the
-            server's limits again).
+            RESOURCE_EXHAUSTED or INVALID_ARGUMENT, or answers outside the
+            protocol (e.g. a block over the limit we know): the tier asks
+            for the server's limits again.
     """
 
     def __init__(
@@ -250,6 +251,8 @@ class DataPlaneClient:
         )
 
     def _broken(self, what: str) -> RemoteProtocolError:
+        if self._on_limit_refusal is not None:
+            self._on_limit_refusal()  # a server restarted with other limits looks like this
         return RemoteProtocolError(
             f"remote tier {self.tier!r}: data-plane answer broke the protocol: {what}"
         )

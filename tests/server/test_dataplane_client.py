@@ -258,3 +258,17 @@ def test_a_put_refused_mid_send_reports_the_servers_reason() -> None:
         assert tier.put([(key(40), big)]) == [True]  # room again: a fresh connection, stored
         assert tier.get([key(40)]) == [big]
         tier.close()
+
+
+def test_a_full_data_plane_sends_callers_to_grpc() -> None:
+    with running_server(server_config(http_port=None, data_max_connections=1)) as server:
+        holder = socket.create_connection(("127.0.0.1", server.data_port), timeout=10)
+        holder.sendall(wire.hello(None))
+        assert holder.recv(64).startswith(wire.MAGIC)  # it holds the only connection
+        tier = remote(server)
+        assert tier.put([(key(50), block(50))]) == [True]
+        t = tier.transport()
+        assert (t.fallbacks, t.grpc_puts, t.data_puts) == (1, 1, 0)
+        assert metric(server, "kvtier_server_rejected_total", reason="limit") == 1
+        tier.close()
+        holder.close()
