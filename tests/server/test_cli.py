@@ -85,8 +85,13 @@ def _start_serve(tmp: Path) -> tuple[subprocess.Popen[str], str, int]:
             proc.kill()
             raise AssertionError(f"kvtier serve did not start: {proc.communicate()[0]}")
         time.sleep(0.05)
-    grpc_port, http_port, data_port = (int(p) for p in ready.read_text().split())
-    assert data_port > 0, "the data plane is on by default"
+    try:
+        grpc_port, http_port, data_port = (int(p) for p in ready.read_text().split())
+        assert data_port > 0, "the data plane is on by default"
+    except BaseException:
+        proc.kill()  # never leave a server behind a failed start
+        proc.wait()
+        raise
     return proc, f"127.0.0.1:{grpc_port}", http_port
 
 
