@@ -76,6 +76,17 @@ def machine() -> dict[str, Any]:
     }
 
 
+def tune_allocator() -> bool:
+    """Apply the allocator setting the ``kvtier`` command line applies to its processes.
+
+    Benchmarks measure what a kvtier process does; every peer measured in the
+    same process (Redis' client too) gets the same allocator.
+    """
+    from kvtier.allocator import retain_freed_memory
+
+    return retain_freed_memory(1 << 30)
+
+
 def emit(summary: dict[str, Any]) -> None:
     """Print the JSON summary as the last line."""
     print(json.dumps(summary, sort_keys=True))

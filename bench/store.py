@@ -17,6 +17,8 @@ copy done by numpy (single-threaded memcpy, like the baseline):
   verified the block already) and the copy of the payload into a destination
   — the figure that matters for time-to-first-token.
 
+Like the ``kvtier`` command line, the benchmark keeps freed memory for reuse
+(``kvtier/allocator.py``); peers measured in this process share that setting.
 The memcpy baseline copies the same blocks into the same destination with
 numpy, measured in the same run right after the tier's figures. Disk figures are with the page cache warm (nothing flushes it
 between writing and reading): an upper bound for a real disk.
@@ -50,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine, table, timeit
+from common import emit, machine, table, timeit, tune_allocator
 from peers import RedisProcess, RedisTier, ServerProcess
 
 from kvtier.block import activation_like_kv, decode_block, encode_block
@@ -209,6 +211,7 @@ def main() -> None:
         "--server-chunk", default="1MiB", help="frame size of the benchmarked kvtier serve"
     )
     args = ap.parse_args()
+    tune_allocator()
     sizes = args.sizes or ("256KiB,4MiB,32MiB" if args.quick else "256KiB,1MiB,4MiB,16MiB,32MiB")
     block_sizes = [parse_bytes(s) for s in sizes.split(",")]
     repeat = 3 if args.quick else 7

@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, machine, memcpy_gbps, table
+from common import emit, machine, memcpy_gbps, table, tune_allocator
 
 from kvtier.config import KvtierConfig
 from kvtier.connectors.demo import default_model_path, document
@@ -216,6 +216,7 @@ def main() -> None:
     ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--salts", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    tune_allocator()
     args.model = args.model or str(default_model_path())
     sizes = [
         int(s) for s in (args.sizes or ("2048" if args.quick else "1024,2048,4096")).split(",")

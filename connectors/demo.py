@@ -248,6 +248,9 @@ def demo(model: str | None, max_tokens: int, keep_dir: str | None) -> None:
 def _worker(
     model: str, config_path: str, question: str, max_tokens: int, document_path: str | None
 ) -> None:
+    from kvtier.allocator import retain_freed_memory
+
+    retain_freed_memory(1 << 30)  # a process entry point, as the kvtier command line does
     report = run_worker(model, config_path, question, max_tokens, document_path)
     click.echo(json.dumps(report))
 

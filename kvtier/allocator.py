@@ -1,4 +1,4 @@
-"""Allocator tuning of the ``kvtier serve`` process (glibc only).
+"""Allocator tuning of kvtier processes (glibc only).
 
 Every block a server receives or sends passes through fresh multi-megabyte
 buffers (gRPC's message bytes, the reassembled block). glibc's malloc serves
@@ -10,8 +10,11 @@ in the process for reuse. The cost is resident memory that stays at its
 high-water mark (bounded by the threshold), which a cache server holding
 gigabytes of blocks does not notice.
 
-Called once from the process entry point (``kvtier serve``), never from
-library code: it changes the whole process's allocator.
+Called once from process entry points — the ``kvtier`` command line applies
+it to every command (``KVTIER_MALLOC_RETAIN``, default 1 GiB, ``0`` to turn it
+off; ``kvtier serve`` then applies its own ``server.malloc_retain``) — never
+from library code: it changes the whole process's allocator. An engine
+embedded in another program can call :func:`retain_freed_memory` itself.
 """
 
 from __future__ import annotations

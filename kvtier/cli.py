@@ -93,6 +93,20 @@ def main(log_level: str) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    _tune_allocator(os.environ.get("KVTIER_MALLOC_RETAIN", "1GiB"))
+
+
+def _tune_allocator(setting: str) -> None:
+    """Keep freed memory for reuse: every KV block is a fresh multi-MB buffer (kvtier/allocator.py)."""
+    from kvtier.allocator import retain_freed_memory
+    from kvtier.units import parse_bytes
+
+    try:
+        limit = parse_bytes(setting)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="KVTIER_MALLOC_RETAIN") from None
+    if limit:
+        retain_freed_memory(limit)
 
 
 @main.group("config")

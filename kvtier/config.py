@@ -43,6 +43,7 @@ NON_CONFIG_ENV = frozenset(
         "KVTIER_AEROSPIKE_HOST",  # tests: run the Aerospike tier tests against a real server
         "KVTIER_AEROSPIKE_NAMESPACE",
         "KVTIER_TEST_PYPI",  # tests: allow the real model download
+        "KVTIER_MALLOC_RETAIN",  # the command line's allocator tuning (kvtier/allocator.py)
     }
 )
 """``KVTIER_`` variables that are not configuration overrides."""

@@ -62,7 +62,7 @@ def serve(
     received included) finish within server.shutdown_grace_s, then the store
     flushes its background writes.
     """
-    from kvtier.server.allocator import retain_freed_memory
+    from kvtier.allocator import retain_freed_memory
     from kvtier.server.app import CacheServer
     from kvtier.server.loader import load_server_config
 

@@ -174,7 +174,7 @@ class ServerConfig(_Strict):
     malloc_retain: ByteCount | None = Field(
         parse_bytes("1GiB"),
         description="kvtier serve on glibc: keep up to this many freed bytes for reuse "
-        "(fewer page faults per transferred block; server/allocator.py); null: allocator defaults",
+        "(fewer page faults per transferred block; kvtier/allocator.py); null: allocator defaults",
     )
 
     @model_validator(mode="before")
