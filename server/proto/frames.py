@@ -29,6 +29,7 @@ both against the generated classes. Clients in other languages use the
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 # field numbers, from kvtier_cache.proto
@@ -49,8 +50,12 @@ class FrameError(ValueError):
     """The bytes are not a valid encoding of the expected message."""
 
 
-class GetFrameView(NamedTuple):
-    """A decoded ``GetFrame``; ``data`` views the message buffer."""
+@dataclass(frozen=True, slots=True)
+class GetFrameView:
+    """A decoded ``GetFrame``; ``data`` views the message buffer.
+
+    A dataclass, not a NamedTuple: its ``index`` field would shadow ``tuple.index``.
+    """
 
     index: int
     found: bool
