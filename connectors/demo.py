@@ -28,7 +28,7 @@ import click
 from kvtier.units import format_bytes
 
 QUESTIONS = (
-    "Who is the current full-time keeper, and when did he take over?",
+    "How tall is the lighthouse tower, and when was it built?",
     "How many steps does the keeper climb every morning, and what does he check?",
 )
 SYSTEM = (
