@@ -166,7 +166,7 @@ def main() -> None:
         raise SystemExit("--clock cpu needs --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     b = Bench(llm, hf, clock)
-    prefill_sizes = [512, 2048] if args.quick else [512, 2048, 4096]
+    prefill_sizes = [512, 2048, 4096]
     decode_steps = 16 if args.quick else 64
 
     # warm up both (first calls pay for oneDNN primitive creation)
