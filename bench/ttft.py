@@ -139,8 +139,14 @@ def save_overhead(
     """Prefill throughput with and without saving, alternating, each on a fresh prompt (0% hits)."""
     t_plain = t_save = 0.0
     for r in range(rounds):
-        t_plain += timer.once(plain, prompts.make(n, salt=500_000 + 2 * r))[0]
-        t_save += timer.once(saving, prompts.make(n, salt=500_001 + 2 * r))[0]
+        # ABBA order, so a drift in the host's speed hits both sides alike.
+        order = ((plain, False), (saving, True)) if r % 2 == 0 else ((saving, True), (plain, False))
+        for i, (llm, is_saving) in enumerate(order):
+            t = timer.once(llm, prompts.make(n, salt=500_000 + 2 * r + i))[0]
+            if is_saving:
+                t_save += t
+            else:
+                t_plain += t
     tp_plain = rounds * n / t_plain
     tp_save = rounds * n / t_save
     return {
@@ -272,7 +278,7 @@ def main() -> None:
         timer.once(plain_nog1, prompts.make(64, salt=999_997))
         n_save = 1024 if args.quick else 2048
         results["save_overhead"] = save_overhead(
-            timer, plain_nog1, engines["raw"], prompts, n_save, 2 if args.quick else 3
+            timer, plain_nog1, engines["raw"], prompts, n_save, 4 if args.quick else 6
         )
         results.update(
             int8_fidelity(

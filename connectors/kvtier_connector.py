@@ -83,8 +83,26 @@ class _RequestState:
 @dataclass
 class _PendingLoad:
     spec: LoadSpec
-    first_chunk: int
-    future: concurrent.futures.Future[list[bytes | None]]
+    groups: list[tuple[int, concurrent.futures.Future[list[bytes | None]]]]  # (first chunk, fetch)
+
+
+def fetch_groups(first: int, last: int) -> list[tuple[int, int]]:
+    """Chunks ``first..last`` as ``(start, stop)`` groups of 1, 1, 2, 4, ... chunks.
+
+    Small groups first let the scatter start while later chunks are still
+    being read; doubling keeps the number of tier calls (round trips, for a
+    network tier) logarithmic in the prefix length.
+    """
+    groups = []
+    size = 1
+    start = first
+    while start <= last:
+        stop = min(last + 1, start + size)
+        groups.append((start, stop))
+        if len(groups) > 1:
+            size *= 2
+        start = stop
+    return groups
 
 
 class KvtierConnector(KVConnector):
@@ -127,7 +145,7 @@ class KvtierConnector(KVConnector):
             metrics=self.metrics,
         )
         self._io = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="kvtier-load"
+            max_workers=1, thread_name_prefix="kvtier-load"
         )
         self._requests: dict[str, _RequestState] = {}
         self._pending: list[_PendingLoad] = []
@@ -210,9 +228,12 @@ class KvtierConnector(KVConnector):
                 continue
             first = spec.start // self._chunk
             last = (spec.start + spec.num_tokens - 1) // self._chunk
-            keys = state.lookup_keys(len(spec.token_ids) // self._chunk)[first : last + 1]
-            future = self._io.submit(self.store.get, keys)
-            self._pending.append(_PendingLoad(spec, first, future))
+            keys = state.lookup_keys(len(spec.token_ids) // self._chunk)
+            groups = [
+                (start, self._io.submit(self.store.get, keys[start:stop]))
+                for start, stop in fetch_groups(first, last)
+            ]
+            self._pending.append(_PendingLoad(spec, groups))
 
     def wait_for_load(self) -> LoadOutcome:
         pending, self._pending = self._pending, []
@@ -248,27 +269,39 @@ class KvtierConnector(KVConnector):
         return LoadOutcome(results)
 
     def _finish_load(self, p: _PendingLoad, deadline: float) -> tuple[int, int, str | None]:
+        """Place each group as its fetch completes; stop at the first gap, failure or timeout."""
         spec = p.spec
-        try:
-            blocks = p.future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            p.future.cancel()
-            return 0, 0, f"fetch timed out after {self.config.connector.load_timeout_s}s"
-        except KvtierError as e:
-            return 0, 0, f"fetch failed: {e}"
+        end = spec.start + spec.num_tokens
         assert self._kv_cache is not None and self._layout is not None and self._spec is not None
-        placement = place_chunks(
-            blocks,
-            first_chunk=p.first_chunk,
-            chunk_size=self._chunk,
-            start=spec.start,
-            end=spec.start + spec.num_tokens,
-            block_ids=spec.block_ids,
-            block_size=self._layout.block_size,
-            kv_cache=self._kv_cache,
-            spec=self._spec,
-        )
-        return placement.loaded_tokens, placement.bytes_loaded, placement.error
+        loaded = nbytes = 0
+        for i, (first_chunk, future) in enumerate(p.groups):
+            try:
+                blocks = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                error = f"fetch timed out after {self.config.connector.load_timeout_s}s"
+            except KvtierError as e:
+                error = f"fetch failed: {e}"
+            else:
+                start = max(spec.start, first_chunk * self._chunk)
+                placement = place_chunks(
+                    blocks,
+                    first_chunk=first_chunk,
+                    chunk_size=self._chunk,
+                    start=start,
+                    end=min(end, (first_chunk + len(blocks)) * self._chunk),
+                    block_ids=spec.block_ids,
+                    block_size=self._layout.block_size,
+                    kv_cache=self._kv_cache,
+                    spec=self._spec,
+                )
+                loaded = start - spec.start + placement.loaded_tokens
+                nbytes += placement.bytes_loaded
+                error = placement.error
+            if error is not None:
+                for _, later in p.groups[i:]:
+                    later.cancel()  # never written: the engine recomputes from here
+                return loaded, nbytes, error
+        return loaded, nbytes, None
 
     # ---- worker side: save ---------------------------------------------
 

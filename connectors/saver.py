@@ -22,6 +22,7 @@ from kvtier.errors import KvtierError
 from kvtier.kernels import QuantizedChunk, quantize_chunk
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
+from kvtier.writer import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class ChunkSaver:
         )
 
     def _run(self) -> None:
+        lower_thread_priority()  # encoding must not slow the forward pass down
         while True:
             item = self._queue.get()
             try:

@@ -9,6 +9,7 @@ slow remote tier does not hold back writes to local disk.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -21,6 +22,24 @@ from kvtier.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 _STOP = object()
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
+    """Make the calling thread yield the CPU to foreground work (Linux; elsewhere a no-op).
+
+    Background encoding and writing compete for cores with the engine's
+    forward pass; on a small host a busy background thread stalls every
+    parallel region of the forward. A niced thread still gets the idle time.
+    """
+    setpriority = getattr(os, "setpriority", None)
+    if setpriority is None or not hasattr(threading, "get_native_id"):
+        return False
+    try:
+        setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
 
 
 class BackgroundWriter:
@@ -121,6 +140,7 @@ class BackgroundWriter:
         self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
+        lower_thread_priority()
         while True:
             item = self._queue.get()
             if item is _STOP:
