@@ -96,17 +96,31 @@ def test_selective_writes_down_after_n_hits(tmp_path: Path) -> None:
 
 
 def test_slow_tier_never_blocks_put_and_full_queue_drops(tmp_path: Path) -> None:
-    slow = FlakyTier("slow", delay=0.2)
-    with TieredStore([CpuTier(BLOCK_LEN * 50), slow], writer_queue=2) as s:
-        t0 = time.perf_counter()
-        for i in range(10):
-            s.put([(key(i), block(i))])
-        assert time.perf_counter() - t0 < 0.15  # the caller did not wait for the slow tier
-        dropped = s.metrics.value("kvtier_writer_dropped_total", {"tier": "slow"})
-        assert dropped >= 5
+    gate = threading.Event()
+    stuck = GatedTier(gate)
+    with TieredStore([CpuTier(BLOCK_LEN * 50), stuck], writer_queue=2) as s:
+        putter = threading.Thread(target=lambda: [s.put([(key(i), block(i))]) for i in range(10)])
+        putter.start()
+        putter.join(timeout=10)
+        assert not putter.is_alive()  # every put returned while the lower tier is stuck
+        dropped = s.metrics.value("kvtier_writer_dropped_total", {"tier": "gated"})
+        assert dropped >= 7  # at most one in the tier's hands and two queued
         assert s.tiers[0].contains([key(i) for i in range(10)]) == [True] * 10
-        s.flush(5)
-        assert len(slow.data) == 10 - dropped
+        gate.set()
+        assert s.flush(5)
+        assert len(stuck.data) == 10 - dropped
+
+
+class GatedTier(FlakyTier):
+    """Holds every put until the gate opens."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        super().__init__("gated")
+        self.gate = gate
+
+    def put(self, items):  # type: ignore[no-untyped-def]
+        self.gate.wait(timeout=30)
+        return super().put(items)
 
 
 @pytest.mark.parametrize("error", [TransientError("timeout"), TierUnavailableError("breaker open")])
