@@ -136,6 +136,10 @@ def _spawn(
     return json.loads(lines[-1])
 
 
+def _gbps(r: dict[str, Any]) -> str:
+    return f"{r['bytes_loaded'] / r['load_seconds'] / 1e9:.2f} GB/s" if r["load_seconds"] else "-"
+
+
 def _pct(a: float, b: float) -> str:
     return f"{a / b:.0%}" if b else "-"
 
@@ -162,6 +166,7 @@ def print_report(a: dict[str, Any], b: dict[str, Any], echo: Any = click.echo) -
         ),
         ("KV bytes loaded", format_bytes(a["bytes_loaded"]), format_bytes(b["bytes_loaded"])),
         ("load time", f"{a['load_seconds'] * 1e3:.0f} ms", f"{b['load_seconds'] * 1e3:.0f} ms"),
+        ("load throughput", _gbps(a), _gbps(b)),
         (
             "blocks hit (cpu / disk)",
             f"{a['cpu_hits']:.0f} / {a['disk_hits']:.0f}",
