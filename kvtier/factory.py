@@ -59,7 +59,7 @@ def build_tier(config: TierConfig, metrics: StoreMetrics | None = None) -> Tier:
             raise ConfigError(
                 f"tiers[{config.name}]: the remote tier needs grpcio (pip install -e '.[server]'): {e}"
             ) from None
-        return RemoteTier(config)
+        return RemoteTier(config, metrics=metrics)
     raise ConfigError(f"unsupported tier type {config.type!r}")
 
 

@@ -36,6 +36,7 @@ import grpc
 
 from kvtier.breaker import CircuitBreaker
 from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.metrics import StoreMetrics
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.server.proto import PROTOCOL_VERSION
 from kvtier.server.proto import kvtier_cache_pb2 as pb
@@ -134,6 +135,7 @@ class RemoteTier(Tier):
         *,
         env: Mapping[str, str] | None = None,
         breaker: CircuitBreaker | None = None,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         self.name = config.name
         self.config = config
@@ -189,7 +191,13 @@ class RemoteTier(Tier):
         )
         self._limits: pb.Limits | None = None
         self._limits_lock = threading.Lock()
-        self._planes = PlaneSelector(config, token, on_limit_refusal=self._forget_limits)
+        fallback = None
+        if metrics is not None:
+            counter = metrics.tier_errors.labels(config.name, "data_plane_fallback")
+            fallback = counter.inc
+        self._planes = PlaneSelector(
+            config, token, on_limit_refusal=self._forget_limits, on_fallback=fallback
+        )
         self._usage = TierUsage(0, None, None)
         self._usage_at = -float("inf")
 

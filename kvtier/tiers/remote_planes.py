@@ -50,6 +50,7 @@ class PlaneSelector:
         token: The bearer token.
         on_limit_refusal: Given to the data-plane client (the tier asks for
             the server's limits again).
+        on_fallback: Called once per attempt that falls back to gRPC (metrics).
 
     Thread-safe.
     """
@@ -59,8 +60,10 @@ class PlaneSelector:
         config: RemoteTierConfig,
         token: str | None,
         on_limit_refusal: Callable[[], None],
+        on_fallback: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_fallback = on_fallback
         self._token = token
         self._on_limit_refusal = on_limit_refusal
         self._lock = threading.Lock()
@@ -104,6 +107,8 @@ class PlaneSelector:
             self._failed = client.address
             self._retry_at = time.monotonic() + self.config.breaker_reset_s
             self._advertised = 0  # until Health says again
+        if self._on_fallback is not None:
+            self._on_fallback()
 
     def count(self, field: str) -> None:
         """One more of ``field`` (a :class:`TransportCounts` name)."""

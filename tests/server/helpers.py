@@ -14,6 +14,7 @@ import torch
 
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
+from kvtier.metrics import StoreMetrics
 from kvtier.server.app import CacheServer
 from kvtier.server.config import ServerConfig, TenantConfig
 from kvtier.server.proto import kvtier_cache_pb2_grpc as pbg
@@ -73,9 +74,15 @@ def running_server(
         server.stop(grace=2.0)
 
 
-def remote(server_or_address: CacheServer | str, token: str | None = None, **kw: Any) -> RemoteTier:
+def remote(
+    server_or_address: CacheServer | str,
+    token: str | None = None,
+    *,
+    metrics: StoreMetrics | None = None,
+    **kw: Any,
+) -> RemoteTier:
     address = server_or_address if isinstance(server_or_address, str) else server_or_address.address
-    return RemoteTier(RemoteTierConfig(address=address, token=token, **kw))
+    return RemoteTier(RemoteTierConfig(address=address, token=token, **kw), metrics=metrics)
 
 
 def stub(address: str) -> tuple[grpc.Channel, pbg.KvCacheStub]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import TierUnavailableError
+from kvtier.metrics import StoreMetrics
 from kvtier.server.config import TlsConfig
 from kvtier.server.proto import dataplane as wire
 from kvtier.tiers.remote_errors import RemoteProtocolError, RemoteRetryableError
@@ -81,9 +82,18 @@ class StalledDataPlane:
 
 def test_a_dead_data_port_falls_back_to_grpc_and_is_counted() -> None:
     with running_server(server_config(http_port=None)) as server:
-        tier = remote(server, data_address=f"127.0.0.1:{free_port()}", breaker_reset_s=60)
+        metrics = StoreMetrics()
+        tier = remote(
+            server, data_address=f"127.0.0.1:{free_port()}", breaker_reset_s=60, metrics=metrics
+        )
         assert tier.put([(key(1), block(1))]) == [True]
         assert tier.get([key(1), key(2)]) == [block(1), None]
+        assert (
+            metrics.value(
+                "kvtier_tier_errors_total", {"tier": tier.name, "kind": "data_plane_fallback"}
+            )
+            == 1
+        )
         t = tier.transport()
         # the first attempt found no data plane and went over gRPC; later calls skip it (cool-down)
         assert (t.fallbacks, t.data_puts, t.data_gets, t.grpc_puts, t.grpc_gets) == (1, 0, 0, 1, 1)
