@@ -81,6 +81,7 @@ class DiskTierConfig(_Strict):
     capacity: ByteSize = parse_bytes("8GiB")
     eviction: Literal["lru", "fifo", "lfu"] = "lru"
     fsync: bool = False
+    shared: bool = Field(False, description="several processes on this host use this directory")
 
 
 TierConfig = Annotated[

@@ -36,6 +36,7 @@ def build_tier(config: TierConfig, metrics: StoreMetrics | None = None) -> Tier:
                 config.capacity,
                 make_policy(config.eviction),
                 fsync=config.fsync,
+                shared=config.shared,
                 metrics=metrics,
                 name=config.name,
             )

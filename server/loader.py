@@ -5,8 +5,8 @@ The file is an ordinary kvtier configuration whose ``server:`` section is a
 loads all of it (``KVTIER_SERVER__*`` overrides included).
 
 With no ``tiers:`` in the file, the server stores CPU + disk with the disk at
-``~/.cache/kvtier/server/blocks`` — not the engines' default directory, since
-two processes must not share one disk tier on a host.
+``~/.cache/kvtier/server/blocks`` — not the engines' default directory: a
+directory used by live processes at once needs ``shared: true`` on each.
 """
 
 from __future__ import annotations

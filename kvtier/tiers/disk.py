@@ -6,7 +6,11 @@ Layout under ``root``::
     tmp/<random>.part                            writes in flight
 
 A write goes to ``tmp/`` and is renamed into place (atomic on POSIX), so a
-reader never sees half a block under a block name. On start the tier removes
+reader never sees half a block under a block name. With ``shared=True``
+several processes on one host may use the same directory: a key missing from
+this process's index is looked up on disk and adopted, and a file another
+process evicted is dropped from the index when it is found gone (capacity is
+then enforced per process, so the directory may briefly hold a little more). On start the tier removes
 leftover temp files and re-indexes ``blocks/`` (oldest modification first in
 the eviction order), so its contents survive restarts. Every read is
 verified (header, lengths, checksum): a torn, truncated or corrupt file is a
@@ -39,13 +43,14 @@ class DiskTier(Tier):
     """Blocks as files in a directory tree with a byte capacity.
 
     Args:
-        root: Directory (created if missing). Two live processes must not
-            share one root: each keeps its own index and capacity accounting.
+        root: Directory (created if missing). Processes that use one root at
+            the same time must all pass ``shared=True``.
         capacity_bytes: Sum of block file sizes never exceeds this.
         policy: Eviction order; LRU if ``None``.
         fsync: ``fsync`` each block before renaming it into place. Off by
             default: the checksum already turns a block torn by a crash into a
             miss, so durability costs latency without buying correctness.
+        shared: Other processes use this directory too (see the module docstring).
         metrics: Counts corrupt blocks and dropped writes.
         name: Metrics label.
     """
@@ -59,6 +64,7 @@ class DiskTier(Tier):
         policy: EvictionPolicy | None = None,
         *,
         fsync: bool = False,
+        shared: bool = False,
         metrics: StoreMetrics | None = None,
         name: str = "disk",
     ) -> None:
@@ -69,6 +75,7 @@ class DiskTier(Tier):
         self.capacity_bytes = capacity_bytes
         self._policy = policy if policy is not None else LRUPolicy()
         self._fsync = fsync
+        self.shared = shared
         self._metrics = metrics
         self._lock = threading.Lock()
         self._index: dict[bytes, int] = {}  # key -> file size, committed blocks
@@ -91,8 +98,10 @@ class DiskTier(Tier):
         return self._blocks_dir / h[:2] / (h + _SUFFIX)
 
     def _reindex(self) -> None:
-        for leftover in self._tmp_dir.iterdir():
-            leftover.unlink(missing_ok=True)
+        if not self.shared:
+            # NOTE: in a shared directory another process may be mid-write.
+            for leftover in self._tmp_dir.iterdir():
+                leftover.unlink(missing_ok=True)
         found: list[tuple[float, bytes, int]] = []
         for sub in self._blocks_dir.iterdir():
             if not sub.is_dir():
@@ -122,7 +131,10 @@ class DiskTier(Tier):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            present = [k in self._index for k in keys]
+        if self.shared:
+            present = [p or self._adopt(k) is not None for k, p in zip(keys, present, strict=True)]
+        return present
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -131,8 +143,36 @@ class DiskTier(Tier):
                 size = self._index.get(key)
                 if size is not None:
                     self._policy.access(key)
+            if size is None and self.shared:
+                size = self._adopt(key)
             out.append(None if size is None else self._read(key, size))
         return out
+
+    def _adopt(self, key: bytes) -> int | None:
+        """Index a block another process wrote into the shared directory; its size or ``None``."""
+        try:
+            size = self._path(key).stat().st_size
+        except OSError:
+            return None
+        with self._lock:
+            if key in self._index:
+                return self._index[key]
+            if key in self._pending or size > self.capacity_bytes:
+                return None
+            self._index[key] = size
+            self._used += size
+            self._policy.insert(key)
+            while self._used > self.capacity_bytes:
+                self._evict_one()
+            return self._index.get(key)
+
+    def _forget(self, key: bytes, size: int) -> None:
+        """The block's file is gone (deleted behind our back, or by another process): unindex it."""
+        with self._lock:
+            if self._index.get(key) == size:
+                del self._index[key]
+                self._policy.remove(key)
+                self._used -= size
 
     def _read(self, key: bytes, size: int) -> bytes | None:
         path = self._path(key)
@@ -140,7 +180,10 @@ class DiskTier(Tier):
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            # Evicted or deleted between the index check and the open: a miss.
+            # Evicted by us between the index check and the open, deleted behind
+            # our back, or evicted by another process sharing the directory: a
+            # miss, and the index must stop claiming the block.
+            self._forget(key, size)
             return None
         except OSError as e:
             log.warning("disk tier: cannot read %s: %s", path, e)
@@ -172,6 +215,11 @@ class DiskTier(Tier):
                 return True
             if key in self._pending:
                 return True  # another thread is writing the same content
+        if self.shared and self._adopt(key) is not None:
+            return True  # another process wrote the same content
+        with self._lock:
+            if key in self._index or key in self._pending:
+                return True  # written by another thread meanwhile
             if size > self.capacity_bytes:
                 self._drop()
                 return False
@@ -271,6 +319,8 @@ class DiskTier(Tier):
                 f"disk tier over capacity: {self._used} > {self.capacity_bytes}"
             )
             assert len(self._policy) == len(self._index), "eviction policy and index disagree"
+            if self.shared:
+                return  # other processes may remove files at any time
             for key, size in self._index.items():
                 path = self._path(key)
                 assert path.exists(), f"indexed block {path.name} has no file"

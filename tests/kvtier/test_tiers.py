@@ -174,3 +174,30 @@ def test_disk_full_drops_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert d.put([(key(1), block(1))]) == [True]
     assert d.get([key(0), key(1)]) == [block(0), block(1)]
     d.check_integrity()
+
+
+def test_disk_forgets_files_deleted_behind_its_back(tmp_path: Path) -> None:
+    d = DiskTier(tmp_path, BLOCK_LEN * 10)
+    d.put([(key(i), block(i)) for i in range(2)])
+    (tmp_path / "blocks" / key(0).hex()[:2] / (key(0).hex() + ".kvb")).unlink()
+    assert d.get([key(0), key(1)]) == [None, block(1)]
+    assert d.contains([key(0)]) == [False]  # the index no longer claims it
+    assert d.usage().num_blocks == 1
+    d.check_integrity()
+
+
+def test_two_processes_share_one_directory(tmp_path: Path) -> None:
+    a = DiskTier(tmp_path, BLOCK_LEN * 4, shared=True)
+    b = DiskTier(tmp_path, BLOCK_LEN * 4, shared=True)  # indexed before a writes anything
+    a.put([(key(i), block(i)) for i in range(3)])
+    assert b.contains([key(0), key(1), key(9)]) == [True, True, False]  # adopted from disk
+    assert b.get([key(2)]) == [block(2)]
+    assert b.put([(key(1), block(1))]) == [True]  # already there: adopted, not rewritten
+    # b fills its own capacity and evicts files a still has indexed: a sees misses, not errors.
+    b.put([(key(i), block(i)) for i in range(10, 14)])
+    got = a.get([key(i) for i in range(3)])
+    assert all(g is None or g == block(i) for i, g in enumerate(got))
+    assert None in got
+    a.check_integrity()
+    b.check_integrity()
+    assert b.usage().used_bytes <= BLOCK_LEN * 4
