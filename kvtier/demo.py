@@ -13,7 +13,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -148,7 +148,7 @@ def run_store_demo(
     """Run the demo and print its report; returns the per-phase figures."""
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         cfg = _demo_config(config_path, tmp)
-        ns = DEMO_NAMESPACE.__class__(**{**DEMO_NAMESPACE.__dict__, "chunk_size": cfg.chunk_size})
+        ns = replace(DEMO_NAMESPACE, chunk_size=cfg.chunk_size)
         compression = Compression.parse(cfg.block.compression)
         prompts = _workload(num_requests, seed)
         tiers = ", ".join(
