@@ -252,6 +252,12 @@ class KvtierConnector(KVConnector):
             self.stats.bytes_loaded += nbytes
             self.metrics.load_tokens.labels("loaded").inc(loaded)
             if failed:
+                state = self._requests.get(spec.request_id)
+                if state is not None:
+                    # What was not loaded is recomputed: let save_kv store it again.
+                    state.stored_chunks = min(
+                        state.stored_chunks, (spec.start + loaded) // self._chunk
+                    )
                 self.stats.load_failures += 1
                 self.stats.failed_tokens += spec.num_tokens - loaded
                 self.metrics.load_tokens.labels("failed").inc(spec.num_tokens - loaded)

@@ -251,7 +251,9 @@ class DiskTier(Tier):
         tmp = self._tmp_dir / f"{uuid.uuid4().hex}.part"
         final = self._path(key)
         try:
-            final.parent.mkdir(exist_ok=True)
+            # parents=True: a directory removed behind our back is recreated.
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp_dir.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(block)
                 if self._fsync:

@@ -173,7 +173,14 @@ def test_damaged_disk_tier_recomputes_correctly(
     assert failed > 0 and conn.stats.load_failures > 0
     if damage == "corrupted":
         assert conn.metrics.value("kvtier_corrupt_blocks_total", {"tier": "disk"}) > 0
+    # What could not be loaded was recomputed and saved again: the next engine loads it.
+    assert conn.save_stats.chunks_saved > 0
     llm.engine.shutdown()
+    again = _llm(model_dir, KvtierConnector(config=cfg))
+    outs = again.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == cold
+    assert all(o.num_external_tokens > 0 for o in outs)
+    again.engine.shutdown()
 
 
 def test_slow_tier_times_out_and_recomputes(
