@@ -72,11 +72,13 @@ class ConnectorStats:
 class _RequestState:
     keys: list[ChunkKey]  # full chunks of the prompt (extended over decode tokens when saved)
     partial_key: ChunkKey | None  # the prompt's trailing partial chunk (save_partial_chunks)
+    prompt_chunks: int  # full chunks in the prompt
     stored_chunks: int = 0  # leading full chunks known to be in the store (hits or saved)
     partial_saved: bool = False
 
-    def lookup_keys(self, num_prompt_chunks: int) -> list[ChunkKey]:
-        keys = self.keys[:num_prompt_chunks]
+    def lookup_keys(self) -> list[ChunkKey]:
+        """The prompt's keys, chunk ``i`` at index ``i`` (the partial chunk last)."""
+        keys = self.keys[: self.prompt_chunks]
         return keys if self.partial_key is None else [*keys, self.partial_key]
 
 
@@ -190,7 +192,7 @@ class KvtierConnector(KVConnector):
             prompt = request.prompt_token_ids
             keys = chunk_keys(prompt, self._ns, include_partial=self._partial)
             partial = keys.pop() if self._partial and len(prompt) % self._chunk else None
-            state = _RequestState(keys=keys, partial_key=partial)
+            state = _RequestState(keys=keys, partial_key=partial, prompt_chunks=len(keys))
             self._requests[request.request_id] = state
         return state
 
@@ -203,7 +205,7 @@ class KvtierConnector(KVConnector):
         state = self._state(request)
         prompt_len = len(request.prompt_token_ids)
         with self.metrics.time_stage("lookup"):
-            hit_chunks = self.store.lookup(state.lookup_keys(prompt_len // self._chunk))
+            hit_chunks = self.store.lookup(state.lookup_keys())
         state.stored_chunks = max(state.stored_chunks, min(hit_chunks, prompt_len // self._chunk))
         hit_tokens = min(hit_chunks * self._chunk, prompt_len)
         if first_time:
@@ -228,7 +230,7 @@ class KvtierConnector(KVConnector):
                 continue
             first = spec.start // self._chunk
             last = (spec.start + spec.num_tokens - 1) // self._chunk
-            keys = state.lookup_keys(len(spec.token_ids) // self._chunk)
+            keys = state.lookup_keys()
             groups = [
                 (start, self._io.submit(self.store.get, keys[start:stop]))
                 for start, stop in fetch_groups(first, last)
