@@ -30,7 +30,7 @@ import torch
 from kvtier.block import BlockSpec, Compression, Encoding
 from kvtier.config import KvtierConfig, load_config
 from kvtier.connectors.loader import place_chunks
-from kvtier.connectors.saver import ChunkSaver
+from kvtier.connectors.saver import ChunkSaver, SaveStats
 from kvtier.engine.connector import (
     ConnectorRequest,
     KVConnector,
@@ -44,7 +44,7 @@ from kvtier.engine.connector import (
 from kvtier.engine.kv_cache import KVCacheLayout
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.factory import build_store
-from kvtier.kernels import gather_kv, gather_kv_quantized
+from kvtier.kernels import gather_kv, gather_kv_quantized, slots_for_tokens
 from kvtier.keys import CacheNamespace, ChunkKey, chunk_keys
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
@@ -345,8 +345,6 @@ class KvtierConnector(KVConnector):
 
     def _save_chunk(self, key: ChunkKey, block_ids: list[int], start: int, num_tokens: int) -> None:
         assert self._kv_cache is not None and self._layout is not None
-        from kvtier.kernels import slots_for_tokens
-
         slots = slots_for_tokens(
             block_ids, self._layout.block_size, start, num_tokens, device=self._kv_cache.device
         )
@@ -367,7 +365,8 @@ class KvtierConnector(KVConnector):
         return self._saver.flush(timeout)
 
     @property
-    def save_stats(self):
+    def save_stats(self) -> SaveStats:
+        """What the background saver did."""
         return self._saver.stats
 
     def shutdown(self) -> None:

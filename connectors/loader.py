@@ -25,7 +25,7 @@ import torch
 
 from kvtier.block import BlockSpec, Encoding, decode_block
 from kvtier.errors import CorruptBlockError
-from kvtier.kernels import KernelInputError, scatter_kv, scatter_kv_dequantized
+from kvtier.kernels import KernelInputError, scatter_kv, scatter_kv_dequantized, slots_for_tokens
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,12 @@ def slot_mapping(
     device: torch.device,
 ) -> torch.Tensor:
     """Slots for the tokens of a chunk starting at ``chunk_start``; -1 outside ``[lo, hi)``."""
-    pos = torch.arange(chunk_start, chunk_start + chunk_tokens, dtype=torch.int64)
-    inside = (pos >= lo) & (pos < hi)
-    safe = torch.where(inside, pos, torch.zeros_like(pos))
-    table = torch.as_tensor(block_ids, dtype=torch.int64)
-    blocks = table[torch.clamp(safe // block_size, max=len(block_ids) - 1)]
-    slots = torch.where(inside, blocks * block_size + safe % block_size, torch.full_like(pos, -1))
+    # Only the tokens in [lo, hi) need a block: the block table may end before the chunk does.
+    slots = torch.full((chunk_tokens,), -1, dtype=torch.int64)
+    if hi > lo:
+        slots[lo - chunk_start : hi - chunk_start] = slots_for_tokens(
+            block_ids, block_size, lo, hi - lo
+        )
     return slots.to(device)
 
 

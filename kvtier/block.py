@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
-import numpy as np
 import torch
 import xxhash
 
@@ -104,11 +103,6 @@ class Compression(enum.IntEnum):
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _ENCODED_DTYPES = {Encoding.INT8: torch.int8, Encoding.FP8_E4M3: torch.float8_e4m3fn}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -447,8 +441,3 @@ def activation_like_kv(
     channel_scale = torch.where(outliers, channel_scale * 8.0, channel_scale)
     x = torch.randn(shape, generator=g) * channel_scale
     return x.to(dtype)
-
-
-def as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a contiguous CPU tensor as a uint8 array (no copy)."""
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy()

@@ -183,18 +183,14 @@ class BackgroundWriter:
                 self._metrics.tier_bytes.labels(name, "put").inc(
                     sum(len(b) for (_, b), r in zip(items, results, strict=True) if r)
                 )
-        except KvtierError as e:
+        except Exception as e:  # a tier failure, or a bug: count it and keep the writer alive
             self.failed += len(items)
             if self._metrics is not None:
                 self._metrics.observe_op(name, "put", "error", len(items))
-            log.debug("writer for %s: put failed: %s", name, e)
-            if self._on_error is not None:
-                self._on_error(e)
-        except Exception as e:  # a bug or an unexpected library error: keep the writer alive
-            self.failed += len(items)
-            if self._metrics is not None:
-                self._metrics.observe_op(name, "put", "error", len(items))
-            log.exception("writer for %s: unexpected error", name)
+            if isinstance(e, KvtierError):
+                log.debug("writer for %s: put failed: %s", name, e)
+            else:
+                log.exception("writer for %s: unexpected error", name)
             if self._on_error is not None:
                 self._on_error(e)
         finally:
