@@ -4,8 +4,8 @@ Layout (little-endian)::
 
     offset size  field
     0      4     magic  b"KVTB"
-    4      2     format version (1)
-    6      2     header size (64)
+    4      2     format version (2)
+    6      2     header size (80)
     8      1     encoding      0 raw · 1 int8 · 2 fp8_e4m3
     9      1     compression   0 none · 1 lz4
     10     1     kv dtype      1 float16 · 2 bfloat16 · 3 float32 (what the KV decodes to)
@@ -19,8 +19,9 @@ Layout (little-endian)::
     28     8     stored payload length (after compression)
     36     8     raw payload length (before compression)
     44     8     xxh64 checksum of header (this field zeroed) ‖ scales ‖ stored payload
-    52     12    reserved (0)
-    64     ...   scales: float32 [layers, 2, tokens, kv_heads]   (quantized encodings only)
+    52     16    key: the 16-byte chunk key the block was encoded for
+    68     12    reserved (0)
+    80     ...   scales: float32 [layers, 2, tokens, kv_heads]   (quantized encodings only)
     ...    ...   payload: [layers, 2 (K,V), tokens, kv_heads, head_dim]
 
 The checksum covers the header too, so a flipped dtype or shape field is
@@ -30,6 +31,20 @@ the declared shape, and the checksum, and raises a subclass of
 :class:`~kvtier.errors.CorruptBlockError` for the first thing that is wrong.
 Decoding an uncompressed block is zero-copy: the returned tensors view the
 input buffer.
+
+**Key binding.** The header carries the key the block was encoded for, and a
+reader that asks for a key passes it (``key=``): a valid block found under
+another key — a moved file, a re-put under the wrong key, a race — raises
+:class:`~kvtier.errors.KeyMismatchError` instead of handing another prefix's
+KV to the model. Version 1 blocks (64-byte header, no key) raise
+:class:`~kvtier.errors.UnsupportedVersionError`: a miss, never a guess.
+
+**Bounded decompression.** Before an lz4 payload is decompressed, its
+declared size must equal what its shape implies (checked for every block),
+be reachable from its compressed length (lz4 expands at most ~255x) and,
+when the reader states its layout (:class:`BlockSpec`), fit the most tokens
+it expects: a hostile size is a :class:`~kvtier.errors.BadLengthError` /
+:class:`~kvtier.errors.BadShapeError`, never a large allocation.
 """
 
 from __future__ import annotations
@@ -51,14 +66,22 @@ from kvtier.errors import (
     BadShapeError,
     ChecksumError,
     CorruptBlockError,
+    KeyMismatchError,
     UnsupportedVersionError,
 )
+from kvtier.keys import KEY_BYTES
 
 MAGIC = b"KVTB"
-VERSION = 1
-HEADER_SIZE = 64
-_HEADER = struct.Struct("<4sHHBBBBHHHHIIQQQ12s")
+VERSION = 2
+HEADER_SIZE = 80
+_HEADER = struct.Struct("<4sHHBBBBHHHHIIQQQ16s12s")
+_PREAMBLE = struct.Struct("<4sHH")  # magic, version, header size: the same in every version
 _CHECKSUM_OFFSET = 44
+# NOTE: an lz4 sequence of n bytes can describe at most ~255 n bytes of output
+# (one byte of match length per 255 bytes matched), so a declared size above
+# this bound cannot be what the stored bytes decompress to.
+_LZ4_MAX_RATIO = 255
+_LZ4_SLACK = 64
 assert _HEADER.size == HEADER_SIZE
 
 
@@ -120,6 +143,7 @@ class BlockHeader:
     payload_len: int
     raw_payload_len: int
     checksum: int
+    key: bytes  # the KEY_BYTES key the block was encoded for
 
     @property
     def payload_dtype(self) -> torch.dtype:
@@ -139,12 +163,18 @@ class BlockHeader:
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """What a reader expects of a block: the KV layout of its engine."""
+    """What a reader expects of a block: the KV layout of its engine.
+
+    ``max_tokens`` (the chunk size, when given) also bounds the tokens a block
+    may declare, so a hostile header cannot make a reader decompress more
+    than one chunk of this layout.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     kv_dtype: torch.dtype
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +206,7 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
 def encode_block(
     payload: torch.Tensor,
     *,
+    key: bytes,
     encoding: Encoding = Encoding.RAW,
     scales: torch.Tensor | None = None,
     kv_dtype: torch.dtype | None = None,
@@ -187,6 +218,8 @@ def encode_block(
         payload: ``[layers, 2, tokens, kv_heads, head_dim]``. For ``RAW`` a
             float16/bfloat16/float32 tensor; for ``INT8`` int8; for
             ``FP8_E4M3`` float8_e4m3fn.
+        key: The 16-byte key the block will be stored under (its header
+            carries it; readers check it).
         encoding: The encoding of ``payload``.
         scales: ``[layers, 2, tokens, kv_heads]`` float32; required for
             quantized encodings, forbidden for raw.
@@ -200,6 +233,8 @@ def encode_block(
     Raises:
         ValueError: The tensors do not form a valid block.
     """
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {key!r}")
     if payload.dim() != 5 or payload.shape[1] != 2:
         raise ValueError(
             f"payload must be [layers, 2, tokens, kv_heads, head_dim], got {tuple(payload.shape)}"
@@ -252,6 +287,7 @@ def encode_block(
         len(stored),
         len(raw_view),
         0,
+        key,
         bytes(12),
     )
     h = xxhash.xxh64(header)
@@ -266,21 +302,32 @@ def encode_block(
 
 
 def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
-    """Parse and validate the header and the lengths (not the checksum).
+    """Parse and validate the header and the lengths (not the checksum, not the key).
 
     Raises:
         CorruptBlockError: a subclass naming what is wrong.
     """
-    if len(data) < HEADER_SIZE:
+    if len(data) < _PREAMBLE.size:
         if bytes(data[:4]) != MAGIC[: min(4, len(data))]:
             raise BadMagicError("not a kvtier block (bad magic)")
+        raise BadLengthError(f"block is {len(data)} bytes, shorter than its header")
+    magic, version, header_size = _PREAMBLE.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise BadMagicError(f"not a kvtier block (magic {magic!r})")
+    if version != VERSION or header_size != HEADER_SIZE:
+        older = " (written before blocks carried their key)" if version < VERSION else ""
+        raise UnsupportedVersionError(
+            f"block format version {version} (header {header_size} B){older} is not "
+            f"supported; this reader reads version {VERSION}"
+        )
+    if len(data) < HEADER_SIZE:
         raise BadLengthError(
             f"block is {len(data)} bytes, shorter than its {HEADER_SIZE}-byte header"
         )
     (
-        magic,
-        version,
-        header_size,
+        _magic,
+        _version,
+        _header_size,
         enc,
         comp,
         dtype_code,
@@ -294,14 +341,9 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         payload_len,
         raw_len,
         checksum,
+        key,
         reserved,
     ) = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise BadMagicError(f"not a kvtier block (magic {magic!r})")
-    if version != VERSION or header_size != HEADER_SIZE:
-        raise UnsupportedVersionError(
-            f"block format version {version} (header {header_size} B) is not supported"
-        )
     try:
         encoding = Encoding(enc)
         compression = Compression(comp)
@@ -327,6 +369,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         payload_len=payload_len,
         raw_payload_len=raw_len,
         checksum=checksum,
+        key=key,
     )
     itemsize = torch.empty((), dtype=header.payload_dtype).element_size()
     if raw_len != _numel(header.shape) * itemsize:
@@ -338,6 +381,11 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         raise BadLengthError(f"scales length {scales_len}, expected {want_scales}")
     if compression == Compression.NONE and payload_len != raw_len:
         raise BadLengthError(f"uncompressed payload length {payload_len} != raw length {raw_len}")
+    if compression == Compression.LZ4 and raw_len > payload_len * _LZ4_MAX_RATIO + _LZ4_SLACK:
+        raise BadLengthError(
+            f"lz4 payload of {payload_len} bytes cannot decompress to the {raw_len} bytes "
+            f"its shape {header.shape} declares"
+        )
     if header.total_len != len(data):
         raise BadLengthError(
             f"block is {len(data)} bytes but its header declares {header.total_len}"
@@ -345,13 +393,28 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     return header
 
 
-def verify_block(data: bytes | bytearray | memoryview) -> BlockHeader:
-    """Validate header, lengths and checksum without decoding the payload.
+def check_key(header: BlockHeader, key: bytes) -> None:
+    """Check that a block was encoded for ``key``.
 
     Raises:
-        CorruptBlockError: a subclass naming what is wrong.
+        KeyMismatchError: it carries another key.
+    """
+    if header.key != key:
+        raise KeyMismatchError(
+            f"block was encoded for key {header.key.hex()}, not for key {bytes(key).hex()}"
+        )
+
+
+def verify_block(data: bytes | bytearray | memoryview, *, key: bytes | None = None) -> BlockHeader:
+    """Validate header, lengths and checksum (and the key, if given) without decoding the payload.
+
+    Raises:
+        CorruptBlockError: a subclass naming what is wrong
+            (:class:`~kvtier.errors.KeyMismatchError` for a block of another key).
     """
     header = read_header(data)
+    if key is not None:
+        check_key(header, key)
     view = memoryview(data)
     h = xxhash.xxh64(view[:_CHECKSUM_OFFSET])
     h.update(b"\0" * 8)
@@ -377,6 +440,7 @@ def _frombuffer(
 def decode_block(
     data: bytes | bytearray | memoryview,
     *,
+    key: bytes | None = None,
     expect: BlockSpec | None = None,
     verify: bool = True,
 ) -> DecodedBlock:
@@ -385,19 +449,29 @@ def decode_block(
     Args:
         data: The encoded block. For uncompressed blocks the returned tensors
             view this buffer, which must then outlive them and not change.
-        expect: If given, the block's layout must match it.
+        key: If given, the key the block must have been encoded for (checked
+            whether or not ``verify`` is set: it costs a 16-byte compare).
+        expect: If given, the block's layout must match it (checked before
+            any decompression).
         verify: Check the checksum (skip only for bytes verified before).
 
     Raises:
         CorruptBlockError: a subclass naming what is wrong.
     """
     header = verify_block(data) if verify else read_header(data)
+    if key is not None:
+        check_key(header, key)
     if expect is not None:
         got = (header.num_layers, header.num_kv_heads, header.head_dim, header.kv_dtype)
         want = (expect.num_layers, expect.num_kv_heads, expect.head_dim, expect.kv_dtype)
         if got != want:
             raise BadShapeError(
                 f"block layout (layers, kv_heads, head_dim, dtype) {got} != expected {want}"
+            )
+        if expect.max_tokens is not None and header.num_tokens > expect.max_tokens:
+            raise BadShapeError(
+                f"block declares {header.num_tokens} tokens, more than the {expect.max_tokens} "
+                "of a chunk"
             )
     scales = None
     if header.scales_len:

@@ -41,6 +41,11 @@ _LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
         "Run the standalone kvtier cache server (gRPC + dashboard).",
     ),
     "stats": ("kvtier.server.cli", "stats", "Print a cache server's hit rates and usage."),
+    "router": (
+        "kvtier.router.cli",
+        "router",
+        "Route OpenAI requests to engines by cached prefix and load; P/D disaggregation.",
+    ),
 }
 
 

@@ -18,6 +18,7 @@ key, a bad unit or an impossible value in the file: the message names the key.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,8 @@ NON_CONFIG_ENV = frozenset(
         "KVTIER_AEROSPIKE_NAMESPACE",
         "KVTIER_TEST_PYPI",  # tests: allow the real model download
         "KVTIER_MALLOC_RETAIN",  # the command line's allocator tuning (kvtier/allocator.py)
+        "KVTIER_API_KEY",  # kvtier engine serve --api-key
+        "KVTIER_SERVER_TOKEN",  # kvtier stats --token
     }
 )
 """``KVTIER_`` variables that are not configuration overrides."""
@@ -81,11 +84,50 @@ class DiskTierConfig(_Strict):
     capacity: ByteSize = parse_bytes("8GiB")
     eviction: Literal["lru", "fifo", "lfu"] = "lru"
     fsync: bool = False
-    shared: bool = Field(False, description="several processes on this host use this directory")
+    rescan_s: float = Field(
+        10.0, ge=0, description="rescan the directory for other processes' files this often"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_shared(cls, data: Any) -> Any:
+        # NOTE: every disk tier is safe for several processes now (docs/architecture.md);
+        # `shared` from older files is accepted so they keep loading.
+        if isinstance(data, dict) and "shared" in data:
+            logging.getLogger(__name__).warning(
+                "tiers[%s].shared is no longer needed: every disk tier may be used by several "
+                "processes at once; remove the key",
+                data.get("name", "disk"),
+            )
+            data = {k: v for k, v in data.items() if k != "shared"}
+        return data
+
+
+InnerTierConfig = Annotated[
+    CpuTierConfig | DiskTierConfig | AerospikeTierConfig | RemoteTierConfig,
+    Field(discriminator="type"),
+]
+
+
+class LatencyTierConfig(_Strict):
+    """Another tier behind a fixed added latency: to measure what a slow tier does."""
+
+    type: Literal["latency"] = "latency"
+    name: str = Field("", description="label; the inner tier's name when empty")
+    get_ms: float = Field(0.0, ge=0, le=60_000, description="added to every get")
+    contains_ms: float = Field(0.0, ge=0, le=60_000, description="added to every lookup")
+    put_ms: float = Field(0.0, ge=0, le=60_000, description="added to every background put")
+    tier: InnerTierConfig
+
+    @model_validator(mode="after")
+    def _name(self) -> LatencyTierConfig:
+        if not self.name:
+            object.__setattr__(self, "name", self.tier.name)
+        return self
 
 
 TierConfig = Annotated[
-    CpuTierConfig | DiskTierConfig | AerospikeTierConfig | RemoteTierConfig,
+    CpuTierConfig | DiskTierConfig | AerospikeTierConfig | RemoteTierConfig | LatencyTierConfig,
     Field(discriminator="type"),
 ]
 
@@ -97,6 +139,16 @@ class BlockConfig(_Strict):
     # NOTE: none by default: measured on activation-like bf16 KV, lz4 saves
     # under 1% and costs 2x the encode time (docs/architecture.md, bench/RESULTS.md).
     compression: Literal["none", "lz4"] = "none"
+
+
+class KeysConfig(_Strict):
+    """How chunk keys are made (``kvtier/keys.py``, ``docs/security.md``)."""
+
+    hash: Literal["sha256", "xxh3"] = Field(
+        "sha256",
+        description="chain hash of chunk keys: sha256 (collision resistant: prompts from "
+        "anyone) or xxh3 (faster; only when every prompt comes from one trusted party)",
+    )
 
 
 class StoreConfig(_Strict):
@@ -111,19 +163,49 @@ class StoreConfig(_Strict):
 class ConnectorConfig(_Strict):
     """The engine side: what to look up, load and save."""
 
-    min_load_tokens: int = Field(256, ge=1, description="do not load a hit shorter than this")
-    save_decode: bool = Field(False, description="also save chunks completed during decode")
-    load_timeout_s: float = Field(5.0, gt=0)
+    min_load_tokens: int = Field(16, ge=1, description="do not load a hit shorter than this")
+    save_decode: bool = Field(
+        True,
+        description="also save what a request generates (chunks completed while decoding, "
+        "and the tail of prompt + answer when it ends), so a conversation's next round loads it",
+    )
+    load_timeout_s: float = Field(
+        5.0, gt=0, description="deadline of one request's whole load, retries included"
+    )
+    load_workers: int = Field(
+        4, ge=1, le=64, description="I/O threads fetching loads; beyond them loads are refused"
+    )
     save_queue: int = Field(
         64, ge=1, description="requests' chunks waiting to be saved before dropping"
+    )
+    # NOTE: off by default: with tiers only this process writes, checksums and key
+    # binding already cover what can go wrong, and sampling costs prefill (docs/security.md).
+    verify_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="probability that a loaded chunk is recomputed and compared with its stored "
+        "block (a mismatch is counted, deleted and quarantined); 0.01 for tiers other "
+        "processes write. Costs about verify_fraction*(n+1)/2 of an n-chunk prefix's tokens",
     )
 
 
 class MetricsConfig(_Strict):
-    """Prometheus exposition."""
+    """Prometheus exposition by the process that runs the connector (``kvtier/metrics_http.py``).
+
+    ``kvtier serve`` refuses ``port``: its ``server.http_port`` serves /metrics.
+    """
 
     port: int | None = Field(
-        None, ge=0, le=65535, description="serve /metrics on this port (None: off)"
+        None,
+        ge=0,
+        le=65535,
+        description="the KV connector serves its store's metrics at http://host:port/metrics "
+        "(0: any free port, logged; null: off — kvtier engine serve's /metrics has them anyway)",
+    )
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="address of that endpoint (no token: keep it local)"
     )
 
 
@@ -136,7 +218,15 @@ class KvtierConfig(_Strict):
     """Everything kvtier needs, one place."""
 
     chunk_size: int = Field(256, ge=16, le=65536)
-    save_partial_chunks: bool = False
+    block_tokens: int = Field(
+        16, ge=1, description="key granularity: a stored prefix is found to this many tokens"
+    )
+    save_partial_chunks: bool = Field(
+        True,
+        description="save tails: the block-aligned part of an unfinished last chunk, when a "
+        "prompt's prefill ends (and, with save_decode, when a request ends)",
+    )
+    keys: KeysConfig = KeysConfig()
     block: BlockConfig = BlockConfig()
     store: StoreConfig = StoreConfig()
     tiers: list[TierConfig] = Field(default_factory=_default_tiers, min_length=1)
@@ -149,6 +239,10 @@ class KvtierConfig(_Strict):
         if self.chunk_size % 16:
             raise ValueError(
                 f"chunk_size must be a multiple of 16 (the engine block size), got {self.chunk_size}"
+            )
+        if self.chunk_size % self.block_tokens:
+            raise ValueError(
+                f"block_tokens ({self.block_tokens}) must divide chunk_size ({self.chunk_size})"
             )
         names = [t.name for t in self.tiers]
         dupes = sorted({n for n in names if names.count(n) > 1})

@@ -102,7 +102,10 @@ def run_phase(
         hit = store.lookup(keys)
         t0 = time.perf_counter()
         blocks = store.get_prefix(keys[:hit])
-        decoded = [decode_block(block, expect=spec).payload for block in blocks]
+        decoded = [
+            decode_block(block, key=k, expect=spec).payload
+            for k, block in zip(keys, blocks, strict=False)
+        ]
         report.load_seconds += time.perf_counter() - t0
         report.bytes_loaded += sum(len(b) for b in blocks)
         for key, payload in zip(keys, decoded, strict=False):
@@ -110,7 +113,7 @@ def run_phase(
                 report.wrong_blocks += 1
         loaded = len(blocks)
         new = [
-            (k, encode_block(_chunk_kv(k, ns, ns.chunk_size), compression=compression))
+            (k, encode_block(_chunk_kv(k, ns, ns.chunk_size), key=k, compression=compression))
             for k in keys[loaded:]
         ]
         store.put(new)

@@ -7,6 +7,7 @@ from kvtier.config import (
     CpuTierConfig,
     DiskTierConfig,
     KvtierConfig,
+    LatencyTierConfig,
     RemoteTierConfig,
     TierConfig,
 )
@@ -25,6 +26,16 @@ def build_tier(config: TierConfig, metrics: StoreMetrics | None = None) -> Tier:
     Raises:
         ConfigError: the tier cannot be built (e.g. its directory is not writable).
     """
+    if isinstance(config, LatencyTierConfig):
+        from kvtier.tiers.latency import LatencyTier
+
+        return LatencyTier(
+            build_tier(config.tier, metrics),
+            get_s=config.get_ms / 1000,
+            contains_s=config.contains_ms / 1000,
+            put_s=config.put_ms / 1000,
+            name=config.name,
+        )
     if isinstance(config, CpuTierConfig):
         return CpuTier(
             config.capacity, make_policy(config.eviction), metrics=metrics, name=config.name
@@ -36,7 +47,7 @@ def build_tier(config: TierConfig, metrics: StoreMetrics | None = None) -> Tier:
                 config.capacity,
                 make_policy(config.eviction),
                 fsync=config.fsync,
-                shared=config.shared,
+                rescan_s=config.rescan_s,
                 metrics=metrics,
                 name=config.name,
             )

@@ -1,24 +1,37 @@
-"""Content addressing: a chunk of tokens is named by a chained xxh3_128 hash.
+"""Content addressing: a chunk of tokens is named by a chained hash.
 
-``key_0 = xxh3_128(namespace)`` and ``key_i = xxh3_128(key_{i-1} ‖ int32-LE
-token ids of chunk i)``. A key therefore names a whole prefix, not just one
-chunk: changing a token in chunk ``i`` changes keys ``i, i+1, ...`` and leaves
-keys before ``i`` alone. Keys are 16 raw bytes, identical across processes,
+``key_0 = H(namespace)`` and ``key_i = H(key_{i-1} ‖ int32-LE token ids of
+chunk i)``. A key therefore names a whole prefix, not just one chunk:
+changing a token in chunk ``i`` changes keys ``i, i+1, ...`` and leaves keys
+before ``i`` alone. Keys are 16 raw bytes, identical across processes,
 machines, Python versions and ``PYTHONHASHSEED`` (Python's ``hash()`` is never
 used).
 
+``H`` is chosen per namespace (:class:`KeyHash`):
+
+* ``sha256`` (default): SHA-256 truncated to 16 bytes. Whoever chooses the
+  tokens (any user of a shared engine) cannot make two prefixes share a key
+  short of a generic attack: ~2**128 work to hit a given key (second
+  preimage), ~2**64 for some pair (birthday bound of 128 bits).
+* ``xxh3``: xxh3_128, ~10x faster on short inputs but not collision
+  resistant against a chosen input: for a cache whose prompts all come from
+  one trusted party.
+
 The namespace is a canonical encoding of everything that makes KV differ for
 the same tokens: the model and its weights, the KV layout and dtype, the chunk
-size, and an optional tenant salt. Two namespaces that differ in any field
-never produce the same keys (up to the 128-bit collision bound).
+size, an optional tenant salt and the key hash itself. Two namespaces that
+differ in any field never produce the same keys (up to the collision bound),
+so keys made with the two hashes never mix.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NewType
+from typing import NewType, Protocol
 
 import numpy as np
 import xxhash
@@ -29,8 +42,47 @@ ChunkKey = NewType("ChunkKey", bytes)
 """A 16-byte content address of one chunk (and, through the chain, its prefix)."""
 
 KEY_BYTES = 16
-_NAMESPACE_TAG = b"kvtier.namespace.v1"
+_NAMESPACE_TAG = b"kvtier.namespace.v2"
 _INT32_MAX = 2**31 - 1
+
+
+class KeyHash(enum.StrEnum):
+    """The hash that chains keys (see the module docstring)."""
+
+    SHA256 = "sha256"
+    XXH3 = "xxh3"
+
+    @classmethod
+    def parse(cls, name: str) -> KeyHash:
+        """The hash called ``name``.
+
+        Raises:
+            ConfigError: for any other name.
+        """
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(
+                f"unknown key hash {name!r}; expected one of {[h.value for h in cls]}"
+            ) from None
+
+
+class _Hasher(Protocol):
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+    def copy(self) -> _Hasher: ...
+    def digest(self) -> bytes: ...
+
+
+def _new_hasher(kind: KeyHash, seed: bytes) -> _Hasher:
+    """A running hash of ``kind`` that has consumed ``seed``."""
+    if kind is KeyHash.SHA256:
+        return hashlib.sha256(seed)
+    return xxhash.xxh3_128(seed)
+
+
+def _key_of(h: _Hasher) -> ChunkKey:
+    """The 16-byte key of a running hash (SHA-256 is truncated to its first 16 bytes)."""
+    return ChunkKey(h.digest()[:KEY_BYTES])
 
 
 @dataclass(frozen=True)
@@ -50,6 +102,7 @@ class CacheNamespace:
             with different encodings still share chunks.
         chunk_size: Tokens per chunk.
         tenant_salt: Isolates tenants; empty for a single-tenant cache.
+        key_hash: The chain hash (``"sha256"`` or ``"xxh3"``, see :class:`KeyHash`).
     """
 
     model_id: str
@@ -60,6 +113,7 @@ class CacheNamespace:
     kv_dtype: str
     chunk_size: int = 256
     tenant_salt: bytes = b""
+    key_hash: KeyHash = KeyHash.SHA256
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size"):
@@ -72,6 +126,7 @@ class CacheNamespace:
             raise ConfigError("CacheNamespace.kv_dtype must not be empty")
         if isinstance(self.tenant_salt, str):
             object.__setattr__(self, "tenant_salt", self.tenant_salt.encode())
+        object.__setattr__(self, "key_hash", KeyHash.parse(self.key_hash))
 
     def encode(self) -> bytes:
         """The canonical byte encoding: a tag, then length-prefixed fields in fixed order."""
@@ -84,12 +139,17 @@ class CacheNamespace:
             ),
             self.kv_dtype.encode(),
             self.tenant_salt,
+            self.key_hash.value.encode(),
         ]
         return b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
     def root_key(self) -> ChunkKey:
         """``key_0``: the hash of the namespace, the seed of every chain."""
-        return ChunkKey(xxhash.xxh3_128_digest(self.encode()))
+        return _key_of(_new_hasher(self.key_hash, self.encode()))
+
+    def chain(self, prev: bytes) -> _Hasher:
+        """A running hash seeded with ``prev``: feed it a chunk's tokens for the next key."""
+        return _new_hasher(self.key_hash, prev)
 
     def with_tenant(self, salt: bytes | str) -> CacheNamespace:
         """The same namespace isolated for one tenant."""
@@ -138,9 +198,110 @@ def chunk_keys(
     prev = namespace.root_key()
     start = 0
     for end in ends:
-        h = xxhash.xxh3_128(prev)
+        h = namespace.chain(prev)
         h.update(data[start:end])
-        prev = ChunkKey(h.digest())
+        prev = _key_of(h)
         keys.append(prev)
         start = end
     return keys
+
+
+class PrefixKeys:
+    """Keys of every block-aligned prefix of a growing token sequence, computed incrementally.
+
+    A stored object covers tokens ``[c*C, c*C + j*B)``: chunk ``c`` (``C`` =
+    ``namespace.chunk_size`` tokens) or a leading part of it, ``j`` blocks of
+    ``B`` = ``block_tokens`` tokens. Its key is the chunk chain extended over
+    those tokens::
+
+        key(c, j) = H(K_{c-1} ‖ int32-LE tokens[c*C : c*C + j*B])     K_{-1} = root key
+        K_c       = key(c, C // B)                                    (the full chunk)
+
+    so full-chunk keys are exactly ``chunk_keys``'s, and a part of a chunk has
+    a key of its own that names the whole prefix it ends. Any prefix whose
+    length is a multiple of ``B`` has exactly one key: a lookup can ask for
+    all of them in one batched call and find the longest stored prefix at
+    block granularity. Keys do not depend on ``B``: two engines with other
+    block sizes agree on the boundaries they share.
+
+    Args:
+        namespace: Where these tokens' KV lives.
+        block_tokens: Key granularity; must divide ``namespace.chunk_size``.
+    """
+
+    def __init__(self, namespace: CacheNamespace, block_tokens: int = 16) -> None:
+        if block_tokens <= 0 or namespace.chunk_size % block_tokens:
+            raise ConfigError(
+                f"block_tokens {block_tokens} must divide chunk_size {namespace.chunk_size}"
+            )
+        self.namespace = namespace
+        self.block_tokens = block_tokens
+        self.blocks_per_chunk = namespace.chunk_size // block_tokens
+        self._data = bytearray()
+        self._keys: list[ChunkKey] = []  # key of the prefix ending at block b+1, b = 0, 1, ...
+        self._root = namespace.root_key()
+        self._chain = self._root  # K of the last full chunk hashed so far
+        self._running: _Hasher | None = None  # H(K_{c-1} ‖ chunk c's blocks hashed so far)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens seen so far."""
+        return len(self._data) // 4
+
+    def extend(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Appends tokens (the sequence only grows: a prompt, then generated tokens)."""
+        self._data += _token_bytes(token_ids)
+
+    def _hash_to(self, num_blocks: int) -> None:
+        bt, per = self.block_tokens * 4, self.blocks_per_chunk
+        while len(self._keys) < num_blocks:
+            b = len(self._keys)
+            if b % per == 0 or self._running is None:
+                self._running = self.namespace.chain(self._chain)
+            # NOTE: one running hash per chunk, copied at each block boundary:
+            # key(c, j) is still the plain function H(K_{c-1} ‖ tokens of
+            # chunk c up to block j) however the sequence was grown (a hash
+            # fed in parts equals the hash of the whole), and every token is
+            # hashed once instead of once per later block of its chunk.
+            self._running.update(self._data[b * bt : (b + 1) * bt])
+            key = _key_of(self._running.copy())
+            self._keys.append(key)
+            if (b + 1) % per == 0:
+                self._chain = key
+
+    def key(self, num_tokens: int) -> ChunkKey:
+        """The key of the prefix of ``num_tokens`` tokens (``1 <= num_tokens <= self.num_tokens``).
+
+        Raises:
+            ValueError: for a length outside the sequence.
+        """
+        if num_tokens <= 0 or num_tokens > self.num_tokens:
+            raise ValueError(f"no prefix of {num_tokens} tokens in {self.num_tokens} tokens")
+        b, rest = divmod(num_tokens, self.block_tokens)
+        if rest == 0:
+            self._hash_to(b)
+            return self._keys[b - 1]
+        # off a block boundary (a prompt's exact end): hashed on its own, not cached
+        self._hash_to(b)
+        c0 = (b // self.blocks_per_chunk) * self.blocks_per_chunk
+        chain = self._keys[c0 - 1] if c0 else self._root
+        bt = self.block_tokens * 4
+        h = self.namespace.chain(chain)
+        h.update(self._data[c0 * bt : num_tokens * 4])
+        return _key_of(h)
+
+    def boundaries(self, num_tokens: int) -> list[int]:
+        """Block boundaries ``B, 2B, ...`` up to ``num_tokens`` (capped at the sequence)."""
+        n = min(num_tokens, self.num_tokens) // self.block_tokens
+        return [(b + 1) * self.block_tokens for b in range(n)]
+
+    def lookup_ends(self, num_tokens: int) -> list[int]:
+        """Where a stored prefix of the first ``num_tokens`` tokens can end: every block
+        boundary, and ``num_tokens`` itself (a prompt's exact end)."""
+        n = min(num_tokens, self.num_tokens)
+        ends = self.boundaries(n)
+        return [*ends, n] if n % self.block_tokens else ends
+
+    def keys_at(self, ends: Sequence[int]) -> list[ChunkKey]:
+        """The keys of the prefixes ending at ``ends``."""
+        return [self.key(e) for e in ends]

@@ -92,6 +92,18 @@ class StoreMetrics:
             ["tier", "op"],
             registry=r,
         )
+        self.puts_skipped = Counter(
+            f"{ns}_tier_puts_skipped",
+            "Blocks a tier did not write because it already held the key (same key, same bytes)",
+            ["tier"],
+            registry=r,
+        )
+        self.put_bytes_skipped = Counter(
+            f"{ns}_tier_put_skipped_bytes",
+            "Bytes of the blocks counted in kvtier_tier_puts_skipped_total",
+            ["tier"],
+            registry=r,
+        )
         self.tier_latency = Histogram(
             f"{ns}_tier_op_seconds",
             "Latency of one batched tier call",
@@ -106,6 +118,14 @@ class StoreMetrics:
             f"{ns}_corrupt_blocks",
             "Blocks that failed validation (deleted, served as a miss)",
             ["tier"],
+            registry=r,
+        )
+        self.corrupt_reasons = Counter(
+            f"{ns}_corrupt_block_reasons",
+            "Corrupt blocks by what was wrong: key_mismatch (a valid block of another key), "
+            "version (another block format), checksum, length, shape, header, magic; "
+            "tier 'load' counts blocks rejected while decoding for the engine",
+            ["tier", "reason"],
             registry=r,
         )
         self.tier_errors = Counter(
@@ -143,15 +163,34 @@ class StoreMetrics:
         )
         self.stage_latency = Histogram(
             f"{ns}_stage_seconds",
-            "Latency of connector stages (lookup/load/save)",
+            "Latency of connector stages (lookup/load/save/verify)",
             ["stage"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.verify_checks = Counter(
+            f"{ns}_verify_checks",
+            "Loaded chunks recomputed and compared with their stored block (connector."
+            "verify_fraction), by outcome: match, mismatch (key deleted and quarantined), "
+            "missing (gone before the compare), error, dropped (verifier queue full)",
+            ["outcome"],
             registry=r,
         )
 
     def observe_op(self, tier: str, op: str, outcome: str, n: int = 1) -> None:
         if n:
             self.tier_ops.labels(tier, op, outcome).inc(n)
+
+    def put_skipped(self, tier: str, n: int, nbytes: int) -> None:
+        """A tier skipped ``n`` puts of ``nbytes`` bytes in all: it already held those keys."""
+        if n:
+            self.puts_skipped.labels(tier).inc(n)
+            self.put_bytes_skipped.labels(tier).inc(nbytes)
+
+    def count_corrupt(self, tier: str, reason: str) -> None:
+        """One corrupt block from ``tier`` (``kvtier_corrupt_blocks_total``), and why."""
+        self.corrupt_blocks.labels(tier).inc()
+        self.corrupt_reasons.labels(tier, reason).inc()
 
     @contextmanager
     def time_op(self, tier: str, op: str) -> Iterator[None]:

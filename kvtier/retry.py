@@ -10,6 +10,16 @@ overall deadline, so it is safe on the serving path::
     retry = Retry(ExponentialBackoff(base=0.005, cap=0.1), retries=2, errors=(TransientError,))
     value = retry.call(lambda: client.get(key))
 
+A caller with a deadline for the whole call (a ``time.monotonic()`` instant)
+passes it to :meth:`Retry.call` and bounds each attempt by what is left::
+
+    value = retry.call(lambda: client.get(key, timeout=deadline - time.monotonic()),
+                       deadline=deadline)
+
+No attempt then starts at or after the deadline, and no backoff sleeps
+when the attempt after it could not start; the call ends at most one
+attempt's own overrun after the deadline.
+
 Shared by the Aerospike tier and the remote (gRPC) tier. Thread-safe: a
 ``Retry`` holds no per-call state, so one instance serves every thread.
 """
@@ -21,6 +31,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+from kvtier.errors import DeadlineExceededError
 
 T = TypeVar("T")
 
@@ -83,6 +95,10 @@ class Retry:
         errors: Exception types worth retrying. Anything else propagates at once.
         deadline: If set, seconds from the first attempt after which no
             further retry starts (a sleep is shortened rather than run past it).
+            For an absolute deadline per call, see :meth:`call`.
+        min_attempt: With a per-call deadline, an attempt starts only while
+            more than this many seconds are left (a shorter one could not
+            finish a round trip, so it is not worth its I/O).
         sleep: Injected for tests.
         clock: Monotonic clock, injected for tests.
     """
@@ -94,6 +110,7 @@ class Retry:
         errors: tuple[type[BaseException], ...],
         *,
         deadline: float | None = None,
+        min_attempt: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -101,10 +118,13 @@ class Retry:
             raise ValueError(f"retries must be >= 0, got {retries}")
         if deadline is not None and deadline <= 0:
             raise ValueError(f"deadline must be > 0 seconds, got {deadline}")
+        if min_attempt < 0:
+            raise ValueError(f"min_attempt must be >= 0 seconds, got {min_attempt}")
         self.backoff = backoff
         self.retries = retries
         self.errors = errors
         self.deadline = deadline
+        self.min_attempt = min_attempt
         self._sleep = sleep
         self._clock = clock
 
@@ -112,18 +132,30 @@ class Retry:
         self,
         fn: Callable[[], T],
         on_retry: Callable[[BaseException, int], None] | None = None,
+        *,
+        deadline: float | None = None,
     ) -> T:
         """Call ``fn()`` until it returns, or raise its last error.
 
         Args:
-            fn: The call. It is invoked at most ``retries + 1`` times.
+            fn: The call. It is invoked at most ``retries + 1`` times. With a
+                ``deadline`` it should bound itself by what is left of it.
             on_retry: Called with ``(error, failures)`` before each retry
                 (for counting); it must not raise.
+            deadline: An absolute instant on ``clock`` (``time.monotonic()``
+                by default) that bounds the whole call: an attempt starts
+                only while more than ``min_attempt`` seconds are left, and a
+                backoff is not slept when the attempt after it could not
+                start. ``None``: only ``retries`` (and ``self.deadline``) bound it.
 
         Raises:
+            DeadlineExceededError: ``deadline`` left no time for the first
+                attempt; ``fn`` never ran.
             Whatever ``fn`` raised last: an error not in ``errors`` at once;
-            an error in ``errors`` once retries or the deadline are spent.
+            an error in ``errors`` once retries or a deadline are spent.
         """
+        if deadline is not None and deadline - self._clock() <= self.min_attempt:
+            raise DeadlineExceededError("the deadline passed before the first attempt")
         start = self._clock() if self.deadline is not None else 0.0
         failures = 0
         while True:
@@ -139,6 +171,8 @@ class Retry:
                     if left <= 0:
                         raise
                     delay = min(delay, left)
+                if deadline is not None and self._clock() + delay + self.min_attempt >= deadline:
+                    raise  # the next attempt could not start in time: do not wait for it
                 if on_retry is not None:
                     on_retry(e, failures)
                 if delay > 0:

@@ -8,7 +8,9 @@
 
 * ``lookup(keys)``: how many leading keys are present in *any* tier.
 * ``get(keys)``: blocks top-down; a hit in a lower tier is verified (unless
-  that tier verifies itself) and promoted into every tier above it.
+  that tier verifies itself) and promoted into every tier above it. Every
+  hit, from any tier, must carry the key it was read for (the block header
+  binds it, :mod:`kvtier.block`): a block of another key is corrupt.
 * ``put(items)``: the write policy decides where blocks go:
 
   ========================  ===============================================
@@ -21,7 +23,19 @@
 
 Failures of a tier never escape: a :class:`~kvtier.errors.KvtierError` from a
 tier (timeout, open breaker, misconfiguration) is counted and treated as a
-miss for that tier; a corrupt block is counted, deleted and treated as a miss.
+miss for that tier; a corrupt block (a block of another key included) is
+counted by reason, deleted from the tier that returned it and treated as a
+miss there: the tiers below still get their chance.
+
+Deadlines: ``lookup``, ``contains``, ``get`` and ``get_prefix`` take an
+optional ``deadline`` (a :func:`time.monotonic` instant) for the whole call
+and hand the same instant to each tier in turn, so a lower tier gets what
+the tiers above left of it. A tier that runs out of time answers misses or
+raises a :class:`~kvtier.errors.TransientError` (see
+:mod:`kvtier.tiers.base`); either way those keys are misses here, and the
+call returns within the slowest tier's slack after the deadline. Hits are
+still promoted after a late call: promotion goes to a fast tier 0 or to
+background writers, never waits on a slow tier.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.block import verify_block
+from kvtier.block import check_key, read_header, verify_block
 from kvtier.errors import (
     ConfigError,
     CorruptBlockError,
@@ -137,8 +151,12 @@ class TieredStore:
 
     # -- reads -------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Number of leading keys present in any tier (prefix semantics)."""
+    def lookup(self, keys: Sequence[bytes], *, deadline: float | None = None) -> int:
+        """Number of leading keys present in any tier (prefix semantics).
+
+        ``deadline``: a :func:`time.monotonic` instant for the whole lookup;
+        a tier that cannot answer by then counts as a miss.
+        """
         n = len(keys)
         if n == 0:
             return 0
@@ -148,7 +166,7 @@ class TieredStore:
             window = keys[first_hole:]
             try:
                 with self.metrics.time_op(tier.name, "contains"):
-                    found = tier.contains(window)
+                    found = _contains(tier, window, deadline)
             except KvtierError as e:
                 self._tier_failed(tier, "contains", e, len(window))
                 continue
@@ -168,15 +186,15 @@ class TieredStore:
         self.metrics.lookup_keys.labels("hit").inc(hit)
         return hit
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is present in any tier."""
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
+        """Whether each key is present in any tier (``deadline`` as for :meth:`lookup`)."""
         present = [False] * len(keys)
         for tier in self.tiers:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
             try:
-                found = tier.contains([keys[i] for i in todo])
+                found = _contains(tier, [keys[i] for i in todo], deadline)
             except KvtierError as e:
                 self._tier_failed(tier, "contains", e, len(todo))
                 continue
@@ -184,8 +202,27 @@ class TieredStore:
                 present[i] = f
         return present
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Blocks for ``keys`` (``None`` for misses), promoting lower-tier hits."""
+    def get(
+        self,
+        keys: Sequence[bytes],
+        *,
+        deadline: float | None = None,
+        bound_to: Sequence[bytes] | None = None,
+    ) -> list[bytes | None]:
+        """Blocks for ``keys`` (``None`` for misses), promoting lower-tier hits.
+
+        ``deadline``: a :func:`time.monotonic` instant for the whole get; each
+        tier gets what is left of it, and what a tier could not read in time
+        is a miss.
+
+        ``bound_to``: the keys the blocks must carry in their headers, one per
+        key, when they differ from the keys they are stored under (the cache
+        server stores a tenant's key ``k`` under a scoped key, and its blocks
+        carry ``k``); ``keys`` themselves by default.
+        """
+        bound = keys if bound_to is None else bound_to
+        if len(bound) != len(keys):
+            raise ValueError(f"bound_to has {len(bound)} keys for {len(keys)} keys")
         result: list[bytes | None] = [None] * len(keys)
         found_in = [-1] * len(keys)
         todo = list(range(len(keys)))
@@ -195,18 +232,14 @@ class TieredStore:
             want = [keys[i] for i in todo]
             try:
                 with self.metrics.time_op(tier.name, "get"):
-                    blocks = tier.get(want)
+                    blocks = _get(tier, want, deadline)
             except KvtierError as e:
                 self._tier_failed(tier, "get", e, len(want))
                 continue
             still: list[int] = []
             nbytes = 0
             for i, block in zip(todo, blocks, strict=True):
-                if (
-                    block is not None
-                    and not tier.verifies_reads
-                    and not self._valid(tier, keys[i], block)
-                ):
+                if block is not None and not self._valid(tier, keys[i], bound[i], block):
                     block = None
                 if block is None:
                     still.append(i)
@@ -221,22 +254,35 @@ class TieredStore:
         self._after_get(keys, result, found_in)
         return result
 
-    def get_prefix(self, keys: Sequence[bytes]) -> list[bytes]:
+    def get_prefix(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes]:
         """Blocks of the leading run of keys that are found (stops at the first miss)."""
         out: list[bytes] = []
-        for block in self.get(keys):
+        for block in self.get(keys, deadline=deadline):
             if block is None:
                 break
             out.append(block)
         return out
 
-    def _valid(self, tier: Tier, key: bytes, block: bytes) -> bool:
+    def _valid(self, tier: Tier, key: bytes, bound: bytes, block: bytes) -> bool:
+        """Whether ``block``, read from ``tier`` under ``key``, is valid and carries ``bound``.
+
+        A tier that verifies its own reads is trusted for the checksum; the
+        key is checked for every tier (a header parse and a 16-byte compare).
+        """
         try:
-            verify_block(block)
+            if tier.verifies_reads:
+                check_key(read_header(block), bound)
+            else:
+                verify_block(block, key=bound)
             return True
         except CorruptBlockError as e:
-            log.warning("tier %s returned a corrupt block (%s); deleting it", tier.name, e)
-            self.metrics.corrupt_blocks.labels(tier.name).inc()
+            log.warning(
+                "tier %s returned a corrupt block for %s (%s); deleting it",
+                tier.name,
+                bound.hex(),
+                e,
+            )
+            self.metrics.count_corrupt(tier.name, e.reason)
             self.metrics.observe_op(tier.name, "get", "corrupt")
             try:
                 tier.delete([key])
@@ -385,3 +431,13 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# NOTE: without a deadline a tier is called exactly as before deadlines existed, so a
+# Tier written against the older contract (no ``deadline`` keyword) keeps working.
+def _contains(tier: Tier, keys: Sequence[bytes], deadline: float | None) -> list[bool]:
+    return tier.contains(keys) if deadline is None else tier.contains(keys, deadline=deadline)
+
+
+def _get(tier: Tier, keys: Sequence[bytes], deadline: float | None) -> list[bytes | None]:
+    return tier.get(keys) if deadline is None else tier.get(keys, deadline=deadline)

@@ -8,12 +8,15 @@ slow remote tier does not hold back writes to local disk.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvtier.errors import KvtierError
 from kvtier.metrics import StoreMetrics
@@ -23,6 +26,29 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 BACKGROUND_NICE = 10
+
+
+class _Closable(Protocol):
+    def close(self, timeout: float) -> None: ...
+
+
+def close_at_exit(worker: _Closable, timeout: float) -> None:
+    """Close ``worker`` when the interpreter exits, before daemon threads are frozen.
+
+    A daemon thread still holding a torch tensor while the interpreter
+    finalizes is killed inside a C++ destructor, and the process aborts
+    ("terminate called without an active exception"). ``atexit`` callbacks
+    run while such threads still run, so queued work is finished and the
+    thread is joined first. Only a weak reference is held.
+    """
+    ref = weakref.ref(worker)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close(timeout)
+
+    atexit.register(close)
 
 
 def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
@@ -83,6 +109,7 @@ class BackgroundWriter:
             target=self._run, name=f"kvtier-writer-{tier.name}", daemon=True
         )
         self._thread.start()
+        close_at_exit(self, timeout=10.0)
 
     def submit(self, key: bytes, block: bytes, *, wait: float = 0.0) -> bool:
         """Queue one block; ``False`` (and counted) if the queue stays full for ``wait`` s, or is closed."""

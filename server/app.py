@@ -28,10 +28,10 @@ from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
-from kvtier.server.config import ServerConfig
+from kvtier.server.config import ServerConfig, is_loopback
 from kvtier.server.dataplane import DataPlaneServer, server_tls_context
 from kvtier.server.gate import Gate
-from kvtier.server.http import HttpFrontend
+from kvtier.server.http import HttpAccess, HttpFrontend
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto.transport import channel_options
 from kvtier.server.service import KvCacheService
@@ -154,6 +154,7 @@ class CacheServer:
                         self.registry,
                         self.dashboard_stats,
                         lambda: self.ready,
+                        HttpAccess(self.directory, c.http_role) if c.http_require_token else None,
                     )
                 except OSError as e:
                     raise ConfigError(
@@ -161,6 +162,13 @@ class CacheServer:
                     ) from None
                 self._http.start()
                 self.http_port = self._http.port
+                if not c.http_require_token and not is_loopback(http_host):
+                    log.warning(
+                        "the dashboard, /api/stats and /metrics on %s:%s need no token (they show "
+                        "tenant names and traffic); set server.http_require_token: true",
+                        http_host,
+                        self.http_port,
+                    )
         except BaseException:
             self.stop(grace=0)
             raise

@@ -8,6 +8,8 @@ of the file configures the store the server runs)::
       port: 50051              # gRPC
       data_port: 50052         # the bulk data plane (Get/Put of block bytes); null: off
       http_port: 9470          # /metrics, /api/stats, the dashboard; null: off
+      http_require_token: true # those need a tenant's token (Bearer, or Basic: password)
+      http_role: reader        # ... of at least this role (default admin)
       threads: 16
       max_block_size: 64MiB
       tenants:
@@ -24,7 +26,9 @@ of the file configures the store the server runs)::
 Tokens are configured only as SHA-256 hex digests (``printf %s "$TOKEN" |
 sha256sum``); the server never holds a plain token. ``open`` decides whether
 a request without a token is served (as tenant ``anonymous``, role admin):
-by default only when the server is bound to a loopback address.
+by default only when the server is bound to a loopback address. The HTTP
+side (``/metrics``, ``/api/stats``, the dashboard) asks for a token only with
+``http_require_token``; ``/healthz`` and ``/readyz`` never do.
 
 This module imports neither grpc nor the server, so the top-level
 :class:`~kvtier.config.KvtierConfig` can embed :class:`ServerConfig`.
@@ -55,6 +59,9 @@ RESERVED_TENANT_NAMES = frozenset({ANONYMOUS_TENANT, OTHER_TENANTS_LABEL, UNAUTH
 Role = Literal["reader", "writer", "admin"]
 """``reader``: lookup, exists, get, stats of itself. ``writer``: also put and
 delete. ``admin``: also stats of every tenant."""
+
+ROLE_RANK: dict[str, int] = {"reader": 0, "writer": 1, "admin": 2}
+"""Each role includes the rights of those ranked below it."""
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -136,6 +143,17 @@ class ServerConfig(_Strict):
         9470, ge=0, le=65535, description="/metrics and dashboard port (0: any; null: off)"
     )
     http_host: str | None = Field(None, description="bind the HTTP server here instead of host")
+    http_require_token: bool = Field(
+        False,
+        description="/metrics, /api/stats and the dashboard need a tenant's token "
+        "('Authorization: Bearer TOKEN', or Basic with the token as password, which browsers "
+        "ask for); /healthz and /readyz stay open",
+    )
+    http_role: Role = Field(
+        "admin",
+        description="with http_require_token: the least role whose token opens them "
+        "(they show every tenant's traffic, as the admin Stats call does)",
+    )
     threads: int = Field(16, ge=1, le=1024, description="threads serving gRPC calls")
     max_concurrent_rpcs: int = Field(
         256, ge=1, description="calls beyond this are refused with RESOURCE_EXHAUSTED"
@@ -209,6 +227,16 @@ class ServerConfig(_Strict):
                 f"max_block_size ({self.max_block_size}) exceeds max_inflight_put_bytes "
                 f"({self.max_inflight_put_bytes}): no block that large could ever be received"
             )
+        # NOTE: the default itself passes: a dumped configuration must load again
+        if self.http_role != "admin" and not self.http_require_token:
+            raise ValueError("http_role has no effect without http_require_token: true")
+        if self.http_require_token and self.http_port is not None:
+            least = ROLE_RANK[self.http_role]
+            if not any(ROLE_RANK[t.role] >= least for t in self.tenants):
+                raise ValueError(
+                    f"http_require_token: no tenant has role {self.http_role} or above, so no "
+                    "token could open /metrics or the dashboard (add one, or lower http_role)"
+                )
         same_host = (self.http_host or self.host) == self.host
         if self.http_port and self.http_port == self.port and same_host:
             raise ValueError(f"http_port and port are both {self.port}")

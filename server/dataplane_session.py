@@ -193,14 +193,16 @@ class DataPlaneSession:
     def _get(self, tenant: Tenant, count: int) -> None:
         self._check_count(count, "keys")
         raw = self.stream.read_exact(wire.KEY_SIZE * count) if count else b""
-        scoped = tenant.scope(
-            [raw[i : i + wire.KEY_SIZE] for i in range(0, len(raw), wire.KEY_SIZE)]
-        )
+        keys = [raw[i : i + wire.KEY_SIZE] for i in range(0, len(raw), wire.KEY_SIZE)]
+        scoped = tenant.scope(keys)
         hits = sent = 0
         started = False
         try:
             for base in range(0, count, GET_BATCH):
-                blocks = self.store.get(scoped[base : base + GET_BATCH])
+                # the blocks carry the caller's keys, not the scoped ones they are stored under
+                blocks = self.store.get(
+                    scoped[base : base + GET_BATCH], bound_to=keys[base : base + GET_BATCH]
+                )
                 # header bytes and views of the stored blocks, sent by one gathered write
                 parts: list[bytes] = [] if started else [wire.OK_STATUS]
                 for block in blocks:

@@ -10,27 +10,97 @@ Routes (GET only)::
     /readyz         200 while the gRPC service takes calls, 503 starting or draining
 
 A ``ThreadingHTTPServer`` in a daemon thread: no framework, no build step.
-The HTTP side carries no authentication — it exposes figures and tenant
-names, never blocks — so bind it (``http_host``) where only operators and
-Prometheus reach it.
+It exposes figures and tenant names, never blocks. By default it asks for no
+token, so bind it (``http_host``) where only operators and Prometheus reach
+it; with ``http_require_token`` every route but ``/healthz`` and ``/readyz``
+needs the token of a tenant of at least ``http_role`` (:class:`HttpAccess`):
+
+* ``Authorization: Bearer <token>`` — Prometheus (``authorization:`` in a
+  scrape config), curl, scripts;
+* ``Authorization: Basic base64(<any name>:<token>)`` — what a browser sends
+  after asking for a user name and password (the 401 offers ``Basic``): the
+  page, its script and its ``/api/stats`` polls then all carry it, so the
+  dashboard needs no code of its own for this and the token never appears in
+  a URL.
+
+No token or an unknown one is a 401, a token of a lesser role a 403.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import mimetypes
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.server.config import Role
+from kvtier.server.tenants import TenantDirectory, UnknownTokenError
+
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+"""Served without a token even when one is required (liveness and readiness probes)."""
+
+_REALM = "kvtier cache server"
+
+
+def presented_token(header: str | None) -> str | None:
+    """The token of an ``Authorization`` header (Bearer, or Basic's password); ``None``: none."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() == "bearer":
+        return value or None
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value, validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        _, sep, password = decoded.partition(":")
+        return password if sep and password else None
+    return None
+
+
+@dataclass(frozen=True)
+class HttpAccess:
+    """Who may read the HTTP side: a token of a tenant with at least ``role``.
+
+    Attributes:
+        directory: The server's tenants (the same tokens as gRPC).
+        role: The least role admitted.
+    """
+
+    directory: TenantDirectory
+    role: Role
+
+    def refusal(self, header: str | None) -> tuple[int, str] | None:
+        """``None`` when ``header`` (an ``Authorization`` value) admits; else (status, reason)."""
+        token = presented_token(header)
+        if token is None:
+            return 401, (
+                "a token is required: send 'Authorization: Bearer <token>' "
+                "(in a browser: any user name, the token as password)"
+            )
+        try:
+            tenant = self.directory.by_token(token)
+        except UnknownTokenError:
+            return 401, "the token matches no tenant"
+        if tenant is None or not tenant.may(self.role):
+            role = tenant.role if tenant is not None else "none"
+            return 403, f"tenant role {role} is below {self.role}, which this page needs"
+        return None
 
 
 class HttpFrontend:
@@ -42,6 +112,8 @@ class HttpFrontend:
         registry: What ``/metrics`` exposes.
         stats_json: Builds the ``/api/stats`` document.
         ready: Whether ``/readyz`` says ready.
+        access: Who may read every route but ``/healthz`` and ``/readyz``;
+            ``None``: anyone.
     """
 
     def __init__(
@@ -51,10 +123,12 @@ class HttpFrontend:
         registry: CollectorRegistry,
         stats_json: Callable[[], dict[str, Any]],
         ready: Callable[[], bool],
+        access: HttpAccess | None = None,
     ) -> None:
         self._registry = registry
         self._stats_json = stats_json
         self._ready = ready
+        self._access = access
         frontend = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -87,6 +161,11 @@ class HttpFrontend:
     def _route(self, h: BaseHTTPRequestHandler) -> None:
         path = h.path.split("?", 1)[0]
         try:
+            if self._access is not None and path not in OPEN_PATHS:
+                refused = self._access.refusal(h.headers.get("Authorization"))
+                if refused is not None:
+                    self._refuse(h, *refused)
+                    return
             if path in ("/", "/index.html", "/dashboard"):
                 self._file(h, STATIC_DIR / "dashboard.html")
             elif path.startswith("/static/"):
@@ -119,20 +198,44 @@ class HttpFrontend:
         except (BrokenPipeError, ConnectionResetError):
             log.debug("http client went away during %s", path)
 
+    def _refuse(self, h: BaseHTTPRequestHandler, status: int, reason: str) -> None:
+        log.debug("http %s refused %s: %s", h.address_string(), h.path, reason)
+        body = (reason + "\n").encode()
+        h.send_response(status)
+        if status == 401:
+            # Basic first: the scheme browsers can answer (they ask for a name and password)
+            h.send_header("WWW-Authenticate", f'Basic realm="{_REALM}", charset="UTF-8"')
+            h.send_header("WWW-Authenticate", f'Bearer realm="{_REALM}"')
+        h.send_header("Content-Type", "text/plain; charset=utf-8")
+        h.send_header("Content-Length", str(len(body)))
+        h.send_header("Cache-Control", "no-store")
+        h.send_header("X-Content-Type-Options", "nosniff")
+        h.end_headers()
+        h.wfile.write(body)
+
     def _file(self, h: BaseHTTPRequestHandler, path: Path) -> None:
         ctype = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         if ctype.startswith("text/") or ctype.endswith("javascript"):
             ctype += "; charset=utf-8"
         self._send(h, 200, path.read_bytes(), ctype)
 
-    @staticmethod
     def _send(
-        h: BaseHTTPRequestHandler, status: int, body: bytes, ctype: str, *, cache: bool = True
+        self,
+        h: BaseHTTPRequestHandler,
+        status: int,
+        body: bytes,
+        ctype: str,
+        *,
+        cache: bool = True,
     ) -> None:
         h.send_response(status)
         h.send_header("Content-Type", ctype)
         h.send_header("Content-Length", str(len(body)))
-        h.send_header("Cache-Control", "max-age=60" if cache else "no-store")
+        if cache and self._access is not None:
+            cache_control = "private, max-age=60"  # behind a token: never in a shared cache
+        else:
+            cache_control = "max-age=60" if cache else "no-store"
+        h.send_header("Cache-Control", cache_control)
         h.send_header("X-Content-Type-Options", "nosniff")
         h.end_headers()
         h.wfile.write(body)

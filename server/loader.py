@@ -5,8 +5,9 @@ The file is an ordinary kvtier configuration whose ``server:`` section is a
 loads all of it (``KVTIER_SERVER__*`` overrides included).
 
 With no ``tiers:`` in the file, the server stores CPU + disk with the disk at
-``~/.cache/kvtier/server/blocks`` — not the engines' default directory: a
-directory used by live processes at once needs ``shared: true`` on each.
+``~/.cache/kvtier/server/blocks`` — not the engines' default directory, so the
+server's blocks do not share one capacity with the engines' (a disk tier
+directory may be used by several processes at once).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def load_server_config(
     store = load_config(
         path, env=env, overrides={"tiers": _server_default_tiers()} if default_tiers else None
     )
+    if store.metrics.port is not None:
+        raise ConfigError(
+            f"metrics.port ({store.metrics.port}) is for processes that run the KV connector; "
+            "kvtier serve exposes /metrics on server.http_port — remove metrics.port"
+        )
     try:
         # NOTE: only the keys the file set, so defaults that follow others (data_port
         # follows port 0) follow the flags too.

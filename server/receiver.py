@@ -9,7 +9,8 @@ A block's declared size is reserved from the shared :class:`ByteBudget` when
 its first frame arrives and released when it is stored or dropped, so the
 memory held by half-received blocks is bounded across all streams. A block
 reaches the store only once all its bytes have come and
-:func:`~kvtier.block.verify_block` passed; whatever ends the stream early
+:func:`~kvtier.block.verify_block` passed (the block carries the key it is put
+under); whatever ends the stream early
 (its end, a refusal, a cancelled or dead client) drops the unfinished block.
 """
 
@@ -137,7 +138,7 @@ class BlockReceiver:
         block = b"".join(self._parts)
         self._parts = []
         try:
-            verify_block(block)
+            verify_block(block, key=self._key)  # a block must be put under its own key
         except CorruptBlockError as e:
             raise invalid(f"block #{self.blocks} is not a valid kvtier block: {e}") from None
         (scoped,) = self._tenant.scope([self._key])

@@ -314,7 +314,10 @@ class KvCacheService:
         scoped = tenant.scope(keys)
         chunk = self.config.chunk_size
         for base in range(0, len(scoped), GET_BATCH):
-            blocks = self.store.get(scoped[base : base + GET_BATCH])
+            # the blocks carry the caller's keys, not the scoped ones they are stored under
+            blocks = self.store.get(
+                scoped[base : base + GET_BATCH], bound_to=keys[base : base + GET_BATCH]
+            )
             for j, block in enumerate(blocks):
                 index = base + j
                 if block is None:

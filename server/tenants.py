@@ -5,11 +5,14 @@ caller's token is hashed and looked up. (Hashing first also means the lookup
 time says nothing about how close a wrong token was.)
 
 **Isolation.** Every key a tenant sends is mapped to a server-side key
-``xxh3_128(salt ‖ key)`` with a salt derived from the tenant's name, before it
-reaches the store. Two tenants asking for the same 16 bytes address different
-blocks, so neither can read, detect (lookup/exists) or delete the other's
-blocks; the mapping is stable across restarts (the disk tier keeps a tenant's
-blocks) and costs one 32-byte hash per key.
+``SHA-256(salt ‖ key)[:16]`` with a salt derived from the tenant's name,
+before it reaches the store. Two tenants asking for the same 16 bytes address
+different blocks, so neither can read, detect (lookup/exists) or delete the
+other's blocks; the mapping is stable across restarts (the disk tier keeps a
+tenant's blocks) and costs one 32-byte hash per key. It is a cryptographic
+hash because tenants choose its input: with a fast non-cryptographic one, a
+tenant could search for a key of its own that lands on another tenant's
+scoped key (docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import xxhash
 from kvtier.server.config import (
     ANONYMOUS_TENANT,
     OTHER_TENANTS_LABEL,
+    ROLE_RANK,
     Role,
     ServerConfig,
 )
 
 _SALT_DOMAIN = b"kvtier-server-tenant-v1\0"
-_ROLE_RANK = {"reader": 0, "writer": 1, "admin": 2}
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,16 @@ class Tenant:
 
     def may(self, role: Role) -> bool:
         """Whether this tenant's role includes ``role``."""
-        return _ROLE_RANK[self.role] >= _ROLE_RANK[role]
+        return ROLE_RANK[self.role] >= ROLE_RANK[role]
 
     def scope(self, keys: Sequence[bytes]) -> list[bytes]:
         """The server-side keys of this tenant's ``keys`` (each 16 bytes)."""
-        salt = self.salt
-        return [xxhash.xxh3_128_digest(salt + k) for k in keys]
+        return [scope_key(self.salt, k) for k in keys]
+
+
+def scope_key(salt: bytes, key: bytes) -> bytes:
+    """The server-side key of a tenant's ``key`` (16 bytes)."""
+    return hashlib.sha256(salt + key).digest()[:16]
 
 
 def tenant_salt(name: str) -> bytes:

@@ -20,6 +20,17 @@ chunk key. The manifest is the commit point:
   that no manifest names: nothing is readable, and the orphans expire with
   their TTL (``ttl_s``; with ``-1`` they leak — see the config module).
 
+Write dedup (``skip_existing``, on by default): blocks are content-addressed
+and immutable, so ``put`` first asks which blocks the namespace already holds
+*complete* and uploads only the others. One batch read of the chunk keys
+fetches only the manifest bin (a single-record block answers with no bins:
+it is complete, a record is written whole); one batch exists of every
+segment the found manifests name follows. A segmented block counts as held
+only if all its segments are there: a write that died before its manifest
+left no manifest (so it is written again), and a manifest whose segments
+were evicted is removed (if unchanged since read) and the block written
+again. Skipped blocks count in ``kvtier_tier_puts_skipped_total``.
+
 Connection: the tier connects at construction. If the cluster cannot be
 reached then, construction still succeeds: the breaker is opened, calls
 fail fast with :class:`~kvtier.errors.TierUnavailableError` for the
@@ -35,6 +46,18 @@ each round trip is retried by a :class:`~kvtier.retry.Retry` for transient
 errors only. Repeated failed calls open a :class:`~kvtier.breaker.CircuitBreaker`:
 the tier is then skipped without network I/O until the cool-down ends. The
 error mapping is in :mod:`kvtier.tiers.aerospike_errors`.
+
+Deadlines (``get`` / ``contains`` / ``prefix_length`` with ``deadline=``):
+one instant bounds the whole call — every round trip (the chunk-key batch,
+every segment batch, a best-effort cleanup or touch) and every retry. Each
+attempt's ``total_timeout`` and ``socket_timeout`` are the configured ones
+cut to what is left (whole milliseconds, at least 1); a retry starts only if
+more than :data:`MIN_ATTEMPT_S` is left after its backoff; a deadline that
+has passed raises :class:`~kvtier.errors.DeadlineExceededError` without I/O
+(and without a verdict for the breaker). The client enforces each attempt's
+timeout by polling its socket, so a call returns within a few milliseconds
+of the deadline. A tier that is not connected yet connects on a background
+thread, and the caller waits for it only until its deadline.
 
 Recency: with ``recency: read_touch`` (default) reads carry the server's
 ``read-touch-ttl-percent`` (server 7.1+): a read in the last part of a
@@ -55,7 +78,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aerospike
@@ -64,7 +87,12 @@ from aerospike_helpers.batch.records import BatchRecords, Remove, Write
 from aerospike_helpers.operations import operations as as_ops
 
 from kvtier.breaker import BreakerState, CircuitBreaker
-from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    TierUnavailableError,
+    TransientError,
+)
 from kvtier.metrics import StoreMetrics
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
@@ -102,6 +130,9 @@ T = TypeVar("T")
 
 _ROW_OVERHEAD = 64  # bytes a batch row adds besides its payload (digest, fields, op header)
 
+MIN_ATTEMPT_S = 0.002
+"""With a deadline, a round trip (or a retry) starts only if more than this is left."""
+
 
 @dataclass(frozen=True)
 class _Row:
@@ -112,6 +143,36 @@ class _Row:
     bin: str
     data: bytes
     create_only: bool
+
+
+@dataclass
+class _ConnectAttempt:
+    """A connection being made on a background thread for callers with deadlines."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+
+def _expired(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def _bounded(policy: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """A read or write ``policy`` with its timeouts cut to what is left before ``deadline``.
+
+    Whole milliseconds, rounded down so an attempt never outlives the
+    deadline, and at least 1 (0 would mean "no timeout" to the client).
+    """
+    if deadline is None:
+        return policy
+    left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    total = min(policy["total_timeout"], left_ms)
+    socket_ms = policy["socket_timeout"]
+    return {
+        **policy,
+        "total_timeout": total,
+        "socket_timeout": min(socket_ms, total) if socket_ms else 0,
+    }
 
 
 class AerospikeTier(Tier):
@@ -142,6 +203,7 @@ class AerospikeTier(Tier):
     ) -> None:
         self.config = config
         self.name = config.name
+        self._metrics = metrics
         if aerospike_metrics is None and metrics is not None:
             aerospike_metrics = AerospikeMetrics(metrics.registry)
         self._stats = StatsRecorder(self.name, aerospike_metrics)
@@ -158,9 +220,12 @@ class AerospikeTier(Tier):
             ),
             config.max_retries,
             (AerospikeTransientError,),
+            min_attempt=MIN_ATTEMPT_S,
             sleep=sleep,
         )
         self._lock = threading.Lock()
+        self._connecting: _ConnectAttempt | None = None
+        self._connecting_lock = threading.Lock()
         self._client: Any = None
         self._limits: RecordLimits | None = None
         self._closed = False
@@ -248,17 +313,25 @@ class AerospikeTier(Tier):
 
     # -- Tier ----------------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """One batch exists call (per ``max_batch_keys`` keys); no recency refresh."""
-        if not keys:
-            return []
-        return self._guard(lambda client: self._contains(client, list(keys)))
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
+        """One batch exists call (per ``max_batch_keys`` keys); no recency refresh.
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """One batch read of the chunk keys, one more for all segments of segmented hits."""
+        Raises:
+            TransientError: a failure, or the deadline passed (see the module docstring).
+        """
         if not keys:
             return []
-        return self._guard(lambda client: self._get(client, list(keys)))
+        return self._guard(lambda client: self._contains(client, list(keys), deadline), deadline)
+
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes | None]:
+        """One batch read of the chunk keys, one more for all segments of segmented hits.
+
+        Raises:
+            TransientError: a failure, or the deadline passed (see the module docstring).
+        """
+        if not keys:
+            return []
+        return self._guard(lambda client: self._get(client, list(keys), deadline), deadline)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         """Single records and segments in one batch write, then the manifests in another.
@@ -323,17 +396,24 @@ class AerospikeTier(Tier):
 
     # -- guard: breaker, connection, error accounting -------------------------------
 
-    def _guard(self, fn: Callable[[Any], T]) -> T:
+    def _guard(self, fn: Callable[[Any], T], deadline: float | None = None) -> T:
         if self._closed:
             raise TierUnavailableError(f"aerospike tier {self.name!r} is closed")
+        if _expired(deadline):
+            self._stats.failure("deadline")
+            raise DeadlineExceededError(f"aerospike tier {self.name!r}: the deadline has passed")
         if not self._breaker.allow():
             self._stats.failure("skipped")
             raise TierUnavailableError(
                 f"aerospike tier {self.name!r} skipped for {self._breaker.retry_after():.1f}s after repeated failures"
             )
         try:
-            self.connect()
+            self._connect_by(deadline)
             result = fn(self._client)
+        except DeadlineExceededError:
+            self._breaker.release()  # the caller ran out of time: no verdict on the cluster
+            self._stats.failure("deadline")
+            raise
         except TransientError:
             self._breaker.record_failure()
             self._stats.failure("transient")
@@ -361,17 +441,29 @@ class AerospikeTier(Tier):
         elif new is BreakerState.CLOSED:
             log.info("aerospike tier %r: circuit closed, serving again", self.name)
 
-    def _round_trip(self, op: str, fn: Callable[[], T]) -> T:
-        """One client call, retried for transient errors, with errors mapped."""
+    def _round_trip(
+        self,
+        op: str,
+        fn: Callable[[dict[str, Any]], T],
+        policy: dict[str, Any],
+        deadline: float | None = None,
+    ) -> T:
+        """One client call ``fn(policy)``, retried for transient errors, with errors mapped.
+
+        With a ``deadline`` each attempt gets ``policy`` with its timeouts cut
+        to what is left, and no attempt starts without :data:`MIN_ATTEMPT_S` left.
+        """
 
         def attempt() -> T:
             self._stats.round_trip(op)
             try:
-                return fn()
+                return fn(_bounded(policy, deadline))
             except aerospike_exception.AerospikeError as e:
                 raise self._error(e) from None
 
-        return self._retry.call(attempt, on_retry=lambda _e, _n: self._stats.retry())
+        return self._retry.call(
+            attempt, on_retry=lambda _e, _n: self._stats.retry(), deadline=deadline
+        )
 
     def _error(self, e: aerospike_exception.AerospikeError) -> Exception:
         code = e.code if isinstance(e.code, int) else -1
@@ -418,15 +510,15 @@ class AerospikeTier(Tier):
         """``command`` on every node, each reply parsed into a dict (``sep`` between pairs)."""
         policy = {"timeout": self.config.connect_timeout_ms}
 
-        def call() -> Any:
-            return client.info_all(command, policy=policy)
+        def call(p: dict[str, Any]) -> Any:
+            return client.info_all(command, policy=p)
 
         if retry:
-            replies = self._round_trip("info", call)
+            replies = self._round_trip("info", call, policy)
         else:
             self._stats.round_trip("info")
             try:
-                replies = call()
+                replies = call(policy)
             except aerospike_exception.AerospikeError as e:
                 raise self._error(e) from None
         try:
@@ -466,6 +558,51 @@ class AerospikeTier(Tier):
         with self._lock:
             self._limits = limits
 
+    def _connect_by(self, deadline: float | None) -> None:
+        """:meth:`connect`, but waiting no later than ``deadline``.
+
+        Connecting (bounded by ``connect_timeout_ms`` per seed and info call)
+        can take longer than a caller's deadline allows, so with a deadline a
+        missing connection is made on a background thread — one attempt at a
+        time, shared by every caller — and the caller waits for it only until
+        its deadline. A later call finds the connection made, or its error.
+
+        Raises:
+            DeadlineExceededError: still connecting at the deadline.
+            TransientError, ConfigError: as :meth:`connect`.
+        """
+        if deadline is None:
+            self.connect()
+            return
+        if self._client is not None and self._limits is not None:
+            return
+        with self._connecting_lock:
+            attempt = self._connecting
+            if attempt is None:
+                attempt = self._connecting = _ConnectAttempt()
+                threading.Thread(
+                    target=self._connect_in_background,
+                    args=(attempt,),
+                    name=f"aerospike-connect-{self.name}",
+                    daemon=True,
+                ).start()
+        if not attempt.done.wait(max(0.0, deadline - time.monotonic())):
+            raise DeadlineExceededError(
+                f"aerospike tier {self.name!r}: still connecting to {self._hosts_text()} at the deadline"
+            )
+        if attempt.error is not None:
+            raise attempt.error
+
+    def _connect_in_background(self, attempt: _ConnectAttempt) -> None:
+        try:
+            self.connect()
+        except Exception as e:  # handed to the waiting callers, who raise it
+            attempt.error = e
+        finally:
+            with self._connecting_lock:
+                self._connecting = None
+            attempt.done.set()
+
     # -- keys ----------------------------------------------------------------------
 
     def _akey(self, key: bytes) -> tuple[str, str, bytearray]:
@@ -483,12 +620,13 @@ class AerospikeTier(Tier):
         keys: list[bytes],
         bins: list[str] | None,
         policy: dict[str, Any],
+        deadline: float | None = None,
     ) -> list[tuple[int, Any]]:
         """Batch-read ``keys`` (chunks of ``max_batch_keys``); per key ``(result, record)``."""
         out: list[tuple[int, Any]] = []
         step = self.config.max_batch_keys
         for start in range(0, len(keys), step):
-            out += self._batch_read(client, op, keys[start : start + step], bins, policy)
+            out += self._batch_read(client, op, keys[start : start + step], bins, policy, deadline)
         return out
 
     def _batch_read(
@@ -498,28 +636,31 @@ class AerospikeTier(Tier):
         keys: list[bytes],
         bins: list[str] | None,
         policy: dict[str, Any],
+        deadline: float | None,
     ) -> list[tuple[int, Any]]:
         akeys = [self._akey(k) for k in keys]
         if bins is None:
-            return self._round_trip(op, lambda: self._rows(client.batch_read(akeys, policy=policy)))
+            return self._round_trip(
+                op, lambda p: self._rows(client.batch_read(akeys, policy=p)), policy, deadline
+            )
         return self._round_trip(
-            op, lambda: self._rows(client.batch_read(akeys, bins, policy=policy))
+            op, lambda p: self._rows(client.batch_read(akeys, bins, policy=p)), policy, deadline
         )
 
-    def _contains(self, client: Any, keys: list[bytes]) -> list[bool]:
+    def _contains(self, client: Any, keys: list[bytes], deadline: float | None) -> list[bool]:
         found = []
-        for code, _ in self._read_rows(client, "contains", keys, [], self._exists_policy):
+        for code, _ in self._read_rows(client, "contains", keys, [], self._exists_policy, deadline):
             if code not in (OK, NOT_FOUND):
                 self._row_failed(code)
             found.append(code == OK)
         return found
 
-    def _get(self, client: Any, keys: list[bytes]) -> list[bytes | None]:
+    def _get(self, client: Any, keys: list[bytes], deadline: float | None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
         manifests: list[tuple[int, Manifest, int]] = []
         broken: list[tuple[bytes, int, Manifest | None]] = []
         for i, (code, record) in enumerate(
-            self._read_rows(client, "get", keys, None, self._read_policy)
+            self._read_rows(client, "get", keys, None, self._read_policy, deadline)
         ):
             if code == NOT_FOUND:
                 continue
@@ -540,11 +681,11 @@ class AerospikeTier(Tier):
             else:
                 broken.append((keys[i], gen, None))
         if manifests:
-            self._read_segments(client, keys, manifests, out, broken)
+            self._read_segments(client, keys, manifests, out, broken, deadline)
         if broken:
-            self._cleanup_broken(client, broken)
+            self._cleanup_broken(client, broken, deadline)
         if self.config.recency == "touch":
-            self._touch_hits(client, keys, out, manifests)
+            self._touch_hits(client, keys, out, manifests, deadline)
         return out
 
     def _read_segments(
@@ -554,8 +695,10 @@ class AerospikeTier(Tier):
         manifests: list[tuple[int, Manifest, int]],
         out: list[bytes | None],
         broken: list[tuple[bytes, int, Manifest | None]],
+        deadline: float | None,
     ) -> None:
-        """Read the segments of every manifest, as few batches as ``max_batch_bytes`` allows."""
+        """Read the segments of every manifest, as few batches as ``max_batch_bytes`` allows
+        (all within the one ``deadline``)."""
         groups: list[list[tuple[int, Manifest, int]]] = [[]]
         size = rows = 0
         for entry in manifests:
@@ -572,7 +715,7 @@ class AerospikeTier(Tier):
         for group in groups:
             seg_keys = [k for i, m, _ in group for k in m.segment_keys(keys[i])]
             results = self._read_rows(
-                client, "get_segments", seg_keys, [BIN_SEGMENT], self._read_policy
+                client, "get_segments", seg_keys, [BIN_SEGMENT], self._read_policy, deadline
             )
             pos = 0
             for i, m, gen in group:
@@ -603,11 +746,16 @@ class AerospikeTier(Tier):
                 self._stats.segmented("get")
 
     def _cleanup_broken(
-        self, client: Any, broken: list[tuple[bytes, int, Manifest | None]]
+        self,
+        client: Any,
+        broken: list[tuple[bytes, int, Manifest | None]],
+        deadline: float | None = None,
     ) -> None:
         """Delete broken manifests (only if unchanged since read) and the segments they name.
 
-        Best effort: a failure is logged and counted, never raised (the read is already answered).
+        Best effort, within the read's ``deadline``: a failure (or no time
+        left) is logged and counted, never raised (the read is already
+        answered); the next reader cleans up instead.
         """
         records = []
         for key, gen, m in broken:
@@ -616,7 +764,7 @@ class AerospikeTier(Tier):
             if m is not None:
                 records += [self._remove_record(k) for k in m.segment_keys(key)]
         try:
-            self._write_batch(client, "cleanup", records)
+            self._write_batch(client, "cleanup", records, deadline)
         except TransientError as e:
             self._stats.failure("row")
             log.debug("aerospike tier %r: cleanup failed: %s", self.name, e)
@@ -627,8 +775,11 @@ class AerospikeTier(Tier):
         keys: list[bytes],
         out: list[bytes | None],
         manifests: list[tuple[int, Manifest, int]],
+        deadline: float | None = None,
     ) -> None:
-        """Explicit recency refresh (``recency: touch``): one batch touch of hit records. Best effort."""
+        """Explicit recency refresh (``recency: touch``): one batch touch of hit records.
+
+        Best effort, within the read's ``deadline``."""
         touch = [keys[i] for i, block in enumerate(out) if block is not None]
         touch += [k for i, m, _ in manifests if out[i] is not None for k in m.segment_keys(keys[i])]
         if not touch:
@@ -637,12 +788,11 @@ class AerospikeTier(Tier):
         try:
             self._round_trip(
                 "touch",
-                lambda: client.batch_operate(
-                    akeys,
-                    [as_ops.touch()],
-                    policy_batch=self._write_policy,
-                    policy_batch_write={"ttl": self._ttl},
+                lambda p: client.batch_operate(
+                    akeys, [as_ops.touch()], policy_batch=p, policy_batch_write={"ttl": self._ttl}
                 ),
+                self._write_policy,
+                deadline,
             )
         except (TransientError, ConfigError) as e:
             self._stats.failure("row")
@@ -650,10 +800,12 @@ class AerospikeTier(Tier):
 
     # -- writes ----------------------------------------------------------------------
 
-    def _write_batch(self, client: Any, op: str, records: list[tuple[Any, int]]) -> list[int]:
+    def _write_batch(
+        self, client: Any, op: str, records: list[tuple[Any, int]], deadline: float | None = None
+    ) -> list[int]:
         """``batch_write`` of ``(record, payload bytes)`` pairs, in chunks bounded by
         ``max_batch_bytes`` and ``max_batch_keys`` (the server drops requests over 128 MiB);
-        the result code of every record."""
+        the result code of every record. ``deadline``: only for best-effort writes of a read."""
         codes: list[int] = []
         chunk: list[Any] = []
         size = 0
@@ -662,7 +814,10 @@ class AerospikeTier(Tier):
         def flush() -> None:
             batch = BatchRecords(list(chunk))
             rows = self._round_trip(
-                op, lambda: self._rows(client.batch_write(batch, policy_batch=self._write_policy))
+                op,
+                lambda p: self._rows(client.batch_write(batch, policy_batch=p)),
+                self._write_policy,
+                deadline,
             )
             codes.extend(code for code, _ in rows)
 
@@ -698,8 +853,11 @@ class AerospikeTier(Tier):
         too_big = False
         segmented: dict[int, Manifest] = {}
         rows: list[_Row] = []
+        skip = self._held_complete(client, items) if self.config.skip_existing else set()
         for i, (key, block) in enumerate(items):
-            if len(block) <= limits.segment_size:
+            if i in skip:
+                held[i] = True
+            elif len(block) <= limits.segment_size:
                 rows.append(_Row(i, key, BIN_BLOCK, block, create_only=True))
             else:
                 m = Manifest.for_block(block, limits.segment_size)
@@ -766,6 +924,52 @@ class AerospikeTier(Tier):
         if too_big:
             self._relearn_limits()
             raise error_for(TOO_BIG, "record too big", namespace=self.config.namespace)
+        return held
+
+    def _held_complete(self, client: Any, items: list[tuple[bytes, bytes]]) -> set[int]:
+        """Indices of ``items`` the namespace already holds complete (see the module docstring).
+
+        Two small round trips at most, no block bytes: the chunk keys' manifest
+        bin, then the existence of the found manifests' segments. A row that
+        fails, or a key in doubt, is written. Counts what it skips.
+        """
+        keys = [k for k, _ in items]
+        rows = self._read_rows(client, "put_check", keys, [BIN_MANIFEST], self._exists_policy)
+        held: set[int] = set()
+        manifests: list[tuple[int, Manifest, int]] = []
+        broken: list[tuple[bytes, int, Manifest | None]] = []
+        for i, (code, record) in enumerate(rows):
+            if code != OK:
+                continue  # not there (or unknown): write it
+            _, meta, bins = record
+            gen = int(meta.get("gen", 0)) if meta else 0
+            raw = (bins or {}).get(BIN_MANIFEST)
+            if raw is None:
+                held.add(i)  # a single-record block: records are written whole
+                continue
+            try:
+                manifests.append((i, Manifest.decode(raw), gen))
+            except ManifestError:
+                broken.append((keys[i], gen, None))
+        if manifests:
+            seg_keys = [k for i, m, _ in manifests for k in m.segment_keys(keys[i])]
+            seg_rows = self._read_rows(
+                client, "put_check_segments", seg_keys, [], self._exists_policy
+            )
+            pos = 0
+            for i, m, gen in manifests:
+                codes = [code for code, _ in seg_rows[pos : pos + m.n_segments]]
+                pos += m.n_segments
+                if all(code == OK for code in codes):
+                    held.add(i)
+                elif all(code in (OK, NOT_FOUND) for code in codes):
+                    broken.append((keys[i], gen, m))  # segments evicted: remove, write again
+        if broken:
+            self._cleanup_broken(client, broken)
+        if held:
+            self._stats.skipped_puts(len(held))
+            if self._metrics is not None:
+                self._metrics.put_skipped(self.name, len(held), sum(len(items[i][1]) for i in held))
         return held
 
     def _lost_races(

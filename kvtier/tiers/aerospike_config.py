@@ -157,6 +157,12 @@ class AerospikeTierConfig(BaseModel):
         le=100,
         description="with recency=read_touch: touch reads within this % of end of life",
     )
+    skip_existing: bool = Field(
+        True,
+        description="before uploading, ask which blocks the namespace already holds complete "
+        "(one batch read of the chunk keys' manifest bin, one batch exists of the segments they "
+        "name) and send only the others",
+    )
     usage_refresh_s: float = Field(
         10.0, ge=0, description="usage() asks the server at most this often (0: every call)"
     )

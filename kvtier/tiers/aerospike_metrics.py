@@ -13,11 +13,14 @@ what only it can see, in two forms:
 Series (all labelled ``tier``):
 
 * ``kvtier_aerospike_round_trips_total{op}`` — client calls that went to the
-  network (op: contains, get, get_segments, put, put_manifests, delete,
-  cleanup, touch, info). Retries are round trips too.
+  network (op: contains, get, get_segments, put_check, put_check_segments,
+  put, put_manifests, delete, cleanup, touch, info). Retries are round trips
+  too.
 * ``kvtier_aerospike_retries_total`` — retried transient failures.
 * ``kvtier_aerospike_failures_total{kind}`` — transient, config, skipped
-  (breaker open, no I/O), row (one key of a batch failed), connect.
+  (breaker open, no I/O), row (one key of a batch failed), connect,
+  deadline (a read given up because the caller's deadline had passed before
+  its next round trip could start).
 * ``kvtier_aerospike_stop_writes_drops_total`` — blocks not written because
   the namespace is in stop-writes.
 * ``kvtier_aerospike_segmented_blocks_total{op}`` — blocks written / read as
@@ -47,6 +50,7 @@ class AerospikeStats:
     transient_errors: int = 0
     config_errors: int = 0
     skipped_calls: int = 0
+    deadline_skips: int = 0
     row_errors: int = 0
     stop_writes_drops: int = 0
     segmented_writes: int = 0
@@ -54,6 +58,7 @@ class AerospikeStats:
     broken_manifests: int = 0
     orphan_cleanups: int = 0
     breaker_opens: int = 0
+    skipped_puts: int = 0
 
 
 class AerospikeMetrics:
@@ -137,11 +142,12 @@ class StatsRecorder:
             self._metrics.retries.labels(self._tier).inc()
 
     def failure(self, kind: str, n: int = 1) -> None:
-        """kind: transient, config, skipped, row or connect."""
+        """kind: transient, config, skipped, deadline, row or connect."""
         stat = {
             "transient": "transient_errors",
             "config": "config_errors",
             "skipped": "skipped_calls",
+            "deadline": "deadline_skips",
             "row": "row_errors",
         }
         if kind in stat:
@@ -168,6 +174,11 @@ class StatsRecorder:
         self._add("orphan_cleanups", n)
         if self._metrics and n:
             self._metrics.orphan_cleanups.labels(self._tier).inc(n)
+
+    def skipped_puts(self, n: int) -> None:
+        """Blocks not uploaded: the namespace already held them complete (the store's
+        ``kvtier_tier_puts_skipped_total`` counts them too)."""
+        self._add("skipped_puts", n)
 
     def breaker_changed(self, opened: bool, is_open: bool) -> None:
         if opened:

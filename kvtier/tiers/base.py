@@ -22,6 +22,25 @@ Contract shared by every implementation:
   open) and :class:`~kvtier.errors.ConfigError` (the tier is misconfigured).
   Local tiers raise neither in normal operation. Callers (the
   :class:`~kvtier.store.TieredStore`) turn both into misses and count them.
+* **Deadlines.** ``get``, ``contains`` and ``prefix_length`` take an
+  optional ``deadline``: a :func:`time.monotonic` instant by which the call
+  returns, retries, backoffs, every round trip of a multi-record block and
+  every chunk of a stream included. A tier returns or raises no later than
+  ``deadline`` plus a small slack, which each tier documents (about one
+  socket poll for network tiers; one file read for the disk tier). At
+  expiry a tier either
+
+  - returns what it read in time with misses (``None`` / ``False``) for the
+    rest — a tier that reads key by key (the disk tier); or
+  - raises :class:`~kvtier.errors.TransientError` — a network tier, whose
+    batch is one exchange: the timeout of the attempt that was cut short,
+    or :class:`~kvtier.errors.DeadlineExceededError` if no attempt could
+    start (a deadline already past: at once, without I/O).
+
+  Callers treat both as misses. ``None`` (the default) keeps the tier's
+  configured timeouts and retries. A deadline never lengthens a call:
+  each attempt is bounded by the smaller of its configured timeout and
+  what is left. In-process memory tiers ignore it. Writes take no deadline.
 * **Thread safety.** Every method may be called from any thread
   concurrently; implementations lock internally.
 * **Capacity.** A tier with a capacity never holds more than it; it evicts
@@ -68,12 +87,18 @@ class Tier(abc.ABC):
     stored, as in the CPU tier). Otherwise the store verifies them."""
 
     @abc.abstractmethod
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is present. Does not refresh recency."""
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
+        """Whether each key is present. Does not refresh recency.
+
+        ``deadline``: a :func:`time.monotonic` instant; see the module docstring.
+        """
 
     @abc.abstractmethod
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The block for each key, or ``None`` for a miss. Refreshes recency of hits."""
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes | None]:
+        """The block for each key, or ``None`` for a miss. Refreshes recency of hits.
+
+        ``deadline``: a :func:`time.monotonic` instant; see the module docstring.
+        """
 
     @abc.abstractmethod
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
@@ -91,10 +116,12 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Bytes used, capacity and block count."""
 
-    def prefix_length(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are present (stops at the first miss)."""
+    def prefix_length(self, keys: Sequence[bytes], *, deadline: float | None = None) -> int:
+        """How many leading keys are present (stops at the first miss); ``deadline`` as for ``contains``."""
+        # NOTE: no keyword without a deadline, so a tier written before deadlines keeps working.
+        found = self.contains(keys) if deadline is None else self.contains(keys, deadline=deadline)
         n = 0
-        for present in self.contains(keys):
+        for present in found:
             if not present:
                 break
             n += 1

@@ -14,9 +14,11 @@ class CpuTier(Tier):
     """An in-memory tier with a byte capacity and a pluggable eviction policy.
 
     Blocks are kept by reference (``put`` takes ownership of immutable
-    ``bytes``), so a get is a dictionary lookup, not a copy. Everything stored
-    here was encoded in-process or verified before it was put, hence
-    ``verifies_reads``.
+    ``bytes``), so a get is a dictionary lookup, not a copy. A put of a key
+    already held is skipped (blocks are content-addressed) and counted.
+    Everything stored here was encoded in-process or verified before it was
+    put, hence ``verifies_reads``. Read deadlines are accepted and ignored: a
+    call costs about a memory lookup per key.
 
     Args:
         capacity_bytes: Never exceeded; a block larger than this is refused.
@@ -46,16 +48,17 @@ class CpuTier(Tier):
         self._listener: EvictionListener | None = None
         self._metrics = metrics
         self.evictions = 0
+        self.skipped_writes = 0
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         self._listener = listener
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
         blocks = self._blocks
         with self._lock:
             return [k in blocks for k in keys]
 
-    def prefix_length(self, keys: Sequence[bytes]) -> int:
+    def prefix_length(self, keys: Sequence[bytes], *, deadline: float | None = None) -> int:
         with self._lock:
             n = 0
             for k in keys:
@@ -64,7 +67,7 @@ class CpuTier(Tier):
                 n += 1
             return n
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._lock:
             for k in keys:
@@ -76,15 +79,18 @@ class CpuTier(Tier):
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         stored: list[bool] = []
+        skipped = skipped_bytes = 0
         with self._lock:
             for key, block in items:
-                if not isinstance(block, bytes):
-                    block = bytes(block)
                 size = len(block)
                 if key in self._blocks:
                     self._policy.access(key)
                     stored.append(True)
+                    skipped += 1
+                    skipped_bytes += size
                     continue
+                if not isinstance(block, bytes):
+                    block = bytes(block)
                 if size > self.capacity_bytes:
                     stored.append(False)
                     continue
@@ -94,6 +100,9 @@ class CpuTier(Tier):
                 self._used += size
                 self._policy.insert(key)
                 stored.append(True)
+            self.skipped_writes += skipped
+        if self._metrics is not None:
+            self._metrics.put_skipped(self.name, skipped, skipped_bytes)
         return stored
 
     def _evict_one(self) -> None:

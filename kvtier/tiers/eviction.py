@@ -15,6 +15,10 @@ from collections import OrderedDict
 class EvictionPolicy(abc.ABC):
     """Chooses which key to evict next."""
 
+    refreshed_by_reads: bool = True
+    """Whether :meth:`access` can move a key away from eviction (a tier shared
+    by several processes then marks reads on the block's file, see the disk tier)."""
+
     @abc.abstractmethod
     def insert(self, key: bytes) -> None:
         """A new key was stored."""
@@ -61,6 +65,8 @@ class LRUPolicy(EvictionPolicy):
 
 class FIFOPolicy(LRUPolicy):
     """First in, first out: reads do not refresh a key."""
+
+    refreshed_by_reads = False
 
     def access(self, key: bytes) -> None:
         return None

@@ -20,6 +20,24 @@ reached, goes over gRPC. A data plane that cannot be reached is left alone
 for ``breaker_reset_s`` (Get/Put use gRPC meanwhile) and counted in
 :meth:`RemoteTier.transport`. Both planes share the retries and the breaker.
 
+**Write dedup.** Blocks are content-addressed, so ``put`` first asks the
+server which keys it already holds (one Exists call per ``max_keys_per_call``
+keys) and sends only the others (``skip_existing``, on by default); the
+skipped ones count in ``kvtier_tier_puts_skipped_total``.
+
+**Deadlines.** ``get``, ``contains`` and ``prefix_length`` take an optional
+``deadline`` (a :func:`time.monotonic` instant) for the whole call: the
+``Health`` asked on first use, every batch of ``max_keys_per_call`` keys,
+every retry and backoff, and a data-plane attempt together with its gRPC
+fallback. Each gRPC call gets ``timeout=`` the smaller of its configured
+timeout and what is left; the data plane bounds connecting, the handshake
+and every socket read and write by what is left; a retry starts only if more
+than :data:`MIN_ATTEMPT_S` is left after its backoff. A deadline already past
+raises :class:`~kvtier.errors.DeadlineExceededError` without I/O. gRPC ends a
+call at its deadline; a data-plane read may overrun by up to a tenth of
+the time that was left when it started (its socket timeout is re-armed
+only when it drifts by more than 10 %).
+
 Blocks are not verified here (``verifies_reads = False``): the store verifies
 what a non-verifying tier returns, and deletes a corrupt block.
 """
@@ -35,7 +53,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvtier.breaker import CircuitBreaker
-from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    TierUnavailableError,
+    TransientError,
+)
 from kvtier.metrics import StoreMetrics
 from kvtier.retry import ExponentialBackoff, Retry
 from kvtier.server.proto import PROTOCOL_VERSION
@@ -66,6 +89,16 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _LIMIT_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT})
+
+MIN_ATTEMPT_S = 0.002
+"""With a deadline, a call (or a retry) starts only if more than this is left."""
+
+
+def _timeout(configured: float, deadline: float | None) -> float:
+    """Seconds one gRPC call may take: ``configured``, cut to what is left before ``deadline``."""
+    if deadline is None:
+        return configured
+    return max(0.001, min(configured, deadline - time.monotonic()))
 
 
 def _identity(b: bytes) -> bytes:
@@ -188,6 +221,7 @@ class RemoteTier(Tier):
             ExponentialBackoff(base=config.retry_backoff_s, cap=config.retry_backoff_cap_s),
             config.retries,
             errors=(RemoteRetryableError,),
+            min_attempt=MIN_ATTEMPT_S,
         )
         self._limits: pb.Limits | None = None
         self._limits_lock = threading.Lock()
@@ -200,11 +234,20 @@ class RemoteTier(Tier):
         )
         self._usage = TierUsage(0, None, None)
         self._usage_at = -float("inf")
+        self._metrics = metrics
+        self.skipped_writes = 0
 
     # -- plumbing ----------------------------------------------------------------
 
-    def _call(self, op: str, fn: Callable[[], T]) -> T:
-        """Run one logical call: breaker check, retried attempts, breaker verdict."""
+    def _call(self, op: str, fn: Callable[[], T], deadline: float | None = None) -> T:
+        """Run one logical call: breaker check, retried attempts, breaker verdict.
+
+        With a ``deadline``, no attempt starts after it (``fn`` bounds each
+        attempt by what is left), and a deadline already past raises
+        :class:`~kvtier.errors.DeadlineExceededError` without I/O.
+        """
+        if deadline is not None and time.monotonic() >= deadline:
+            raise DeadlineExceededError(f"remote tier {self.name!r}: {op}: the deadline has passed")
         if not self.breaker.allow():
             raise TierUnavailableError(
                 f"remote tier {self.name!r}: circuit breaker open "
@@ -221,7 +264,10 @@ class RemoteTier(Tier):
                 raise map_rpc_error(e, self.name, op) from None
 
         try:
-            result = self._retry.call(attempt)
+            result = self._retry.call(attempt, deadline=deadline)
+        except DeadlineExceededError:
+            self.breaker.release()  # the caller ran out of time: no verdict on the server
+            raise
         except TransientError:
             self.breaker.record_failure()
             raise
@@ -231,8 +277,10 @@ class RemoteTier(Tier):
         self.breaker.record_success()
         return result
 
-    def limits(self) -> pb.Limits:
+    def limits(self, deadline: float | None = None) -> pb.Limits:
         """The server's limits, from its Health answer (asked once, then kept).
+
+        ``deadline``: bounds the Health call when the limits must be asked.
 
         Raises:
             RemoteAuthError: the server refuses the token, or needs one and none is set.
@@ -241,7 +289,7 @@ class RemoteTier(Tier):
         with self._limits_lock:
             if self._limits is not None:
                 return self._limits
-        health = self.health()
+        health = self.health(deadline)
         if health.protocol_version != PROTOCOL_VERSION:
             raise RemoteProtocolError(
                 f"remote tier {self.name!r}: server speaks protocol {health.protocol_version}, "
@@ -266,13 +314,16 @@ class RemoteTier(Tier):
         with self._limits_lock:
             self._limits = None
 
-    def health(self) -> pb.HealthResponse:
+    def health(self, deadline: float | None = None) -> pb.HealthResponse:
         """The server's Health answer (status, version, limits, who we are)."""
         return self._call(
             "health",
             lambda: self._health(
-                pb.HealthRequest(), timeout=self.config.timeout_s, metadata=self._metadata
+                pb.HealthRequest(),
+                timeout=_timeout(self.config.timeout_s, deadline),
+                metadata=self._metadata,
             ),
+            deadline,
         )
 
     def server_stats(self) -> pb.StatsResponse:
@@ -284,24 +335,27 @@ class RemoteTier(Tier):
             ),
         )
 
-    def _batches(self, n: int) -> Iterator[tuple[int, int]]:
+    def _batches(self, n: int, deadline: float | None = None) -> Iterator[tuple[int, int]]:
         if n == 0:
             return  # nothing to ask: no call, not even Health
-        step = self.limits().max_keys_per_call
+        step = self.limits(deadline).max_keys_per_call
         for start in range(0, n, step):
             yield start, min(n, start + step)
 
     # -- the Tier interface ----------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
         out: list[bool] = []
-        for a, b in self._batches(len(keys)):
+        for a, b in self._batches(len(keys), deadline):
             req = pb.KeysRequest(keys=keys[a:b])
             resp = self._call(
                 "exists",
                 lambda req=req: self._exists(  # type: ignore[misc]
-                    req, timeout=self.config.timeout_s, metadata=self._metadata
+                    req,
+                    timeout=_timeout(self.config.timeout_s, deadline),
+                    metadata=self._metadata,
                 ),
+                deadline,
             )
             if len(resp.present) != b - a:
                 raise RemoteProtocolError(
@@ -310,15 +364,18 @@ class RemoteTier(Tier):
             out.extend(resp.present)
         return out
 
-    def prefix_length(self, keys: Sequence[bytes]) -> int:
+    def prefix_length(self, keys: Sequence[bytes], *, deadline: float | None = None) -> int:
         total = 0
-        for a, b in self._batches(len(keys)):
+        for a, b in self._batches(len(keys), deadline):
             req = pb.KeysRequest(keys=keys[a:b])
             resp = self._call(
                 "lookup",
                 lambda req=req: self._lookup(  # type: ignore[misc]
-                    req, timeout=self.config.timeout_s, metadata=self._metadata
+                    req,
+                    timeout=_timeout(self.config.timeout_s, deadline),
+                    metadata=self._metadata,
                 ),
+                deadline,
             )
             hit = int(resp.prefix_length)
             if hit > b - a:
@@ -330,15 +387,24 @@ class RemoteTier(Tier):
                 break
         return total
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
-        for a, b in self._batches(len(keys)):
+        for a, b in self._batches(len(keys), deadline):
             batch = keys[a:b]
-            out[a:b] = self._call("get", lambda batch=batch: self._get_attempt(batch))  # type: ignore[misc]
+            out[a:b] = self._call(
+                "get",
+                lambda batch=batch: self._get_attempt(batch, deadline),  # type: ignore[misc]
+                deadline,
+            )
         return out
 
-    def _get_attempt(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """One attempt: over the data plane if there is one, else (or if it is unreachable) gRPC."""
+    def _get_attempt(
+        self, keys: Sequence[bytes], deadline: float | None = None
+    ) -> list[bytes | None]:
+        """One attempt: over the data plane if there is one, else (or if it is unreachable) gRPC.
+
+        Both planes share ``deadline``: a fallback gets only what the data plane left.
+        """
         # NOTE: the limits as last learned, never asked here: this runs inside _call, and
         # a nested call (Health) would take a second breaker slot.
         lim = self._limits
@@ -349,22 +415,37 @@ class RemoteTier(Tier):
                     keys,
                     max_block_size=lim.max_block_size,
                     timeout_s=self.config.transfer_timeout_s,
+                    deadline=deadline,
                 )
             except DataPlaneUnavailableError as e:
                 self._data_unavailable(data, e)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceededError(
+                        f"remote tier {self.name!r}: no time left for gRPC after the data plane failed"
+                    ) from None
             else:
                 self._planes.count("data_gets")
                 return blocks
         self._planes.count("grpc_gets")
-        return self._get_once(pb.KeysRequest(keys=keys), len(keys))
+        return self._get_once(pb.KeysRequest(keys=keys), len(keys), deadline)
 
-    def _get_once(self, req: pb.KeysRequest, n: int) -> list[bytes | None]:
-        """One gRPC Get stream, reassembled (a whole attempt: retried from scratch on failure)."""
+    def _get_once(
+        self, req: pb.KeysRequest, n: int, deadline: float | None = None
+    ) -> list[bytes | None]:
+        """One gRPC Get stream, reassembled (a whole attempt: retried from scratch on failure).
+
+        The stream, every frame of it included, ends by ``transfer_timeout_s``
+        or ``deadline``, whichever comes first.
+        """
         out: list[bytes | None] = [None] * n
         seen = [False] * n
         parts: list[memoryview] = []
         cur, size, got = -1, 0, 0
-        stream = self._get(req, timeout=self.config.transfer_timeout_s, metadata=self._metadata)
+        stream = self._get(
+            req,
+            timeout=_timeout(self.config.transfer_timeout_s, deadline),
+            metadata=self._metadata,
+        )
         try:
             for raw in stream:
                 try:
@@ -414,7 +495,9 @@ class RemoteTier(Tier):
         todo = [i for i, ok in enumerate(stored) if ok]
         if todo and self.config.skip_existing:
             present = self.contains([items[i][0] for i in todo])
+            held = [i for i, p in zip(todo, present, strict=True) if p]
             todo = [i for i, p in zip(todo, present, strict=True) if not p]
+            self._count_skipped(held, items)
         batch: list[int] = []
         batch_bytes = 0
         for i in todo:
@@ -430,6 +513,12 @@ class RemoteTier(Tier):
         if batch:
             self._put_batch(items, batch, lim.chunk_size)
         return stored
+
+    def _count_skipped(self, held: list[int], items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Puts not sent because the server already holds those keys (one Exists call asked)."""
+        self.skipped_writes += len(held)
+        if self._metrics is not None:
+            self._metrics.put_skipped(self.name, len(held), sum(len(items[i][1]) for i in held))
 
     def _put_batch(
         self, items: Sequence[tuple[bytes, bytes]], batch: list[int], chunk: int

@@ -19,7 +19,11 @@ The server advertises its data plane in ``Health`` (``data_port``,
   ``bytes`` by gathered ``sendmsg`` without copying them.
 * **Deadlines.** Connecting and the handshake are bounded by ``timeout_s``;
   every read and write of an exchange by what is left of its deadline
-  (``transfer_timeout_s``).
+  (``transfer_timeout_s``). A ``get`` given a caller's ``deadline`` ends by
+  the earlier of the two, connecting and the handshake included; each socket
+  operation is armed with what is left (re-armed when it drifts by more than
+  10 %), so a read ends at most a tenth of the time left when it started
+  after the deadline.
 * **Errors.** No connection, a failed or refused handshake (other than an
   auth refusal) raise :class:`DataPlaneUnavailableError`: the tier falls
   back to gRPC. Once connected, a broken or stalled connection raises
@@ -119,9 +123,18 @@ class DataPlaneClient:
     # -- the calls -------------------------------------------------------------------
 
     def get(
-        self, keys: Sequence[bytes], *, max_block_size: int, timeout_s: float
+        self,
+        keys: Sequence[bytes],
+        *,
+        max_block_size: int,
+        timeout_s: float,
+        deadline: float | None = None,
     ) -> list[bytes | None]:
         """The block of each key (``None``: a miss), in order, over one connection.
+
+        The exchange ends within ``timeout_s`` or by ``deadline`` (a
+        :func:`time.monotonic` instant that also bounds connecting), whichever
+        comes first.
 
         Raises:
             DataPlaneUnavailableError: no connection could be made (fall back to gRPC).
@@ -129,11 +142,13 @@ class DataPlaneClient:
             RemoteAuthError, RemoteServerError, RemoteProtocolError: see the module.
         """
         _check_keys(self.tier, keys)
-        deadline = time.monotonic() + timeout_s
+        end = time.monotonic() + timeout_s
+        if deadline is not None:
+            end = min(end, deadline)
         request = [wire.REQUEST.pack(wire.OP_GET, len(keys)), b"".join(keys)]
 
         def exchange(stream: Stream) -> list[bytes | None]:
-            stream.set_deadline(deadline)
+            stream.set_deadline(end)
             stream.write(request)
             self._expect_ok(stream, "get")
             out: list[bytes | None] = []
@@ -151,7 +166,7 @@ class DataPlaneClient:
                     raise self._broken(f"key #{i}: item kind {kind} with length {length}")
             return out
 
-        return self._exchange("get", exchange)
+        return self._exchange("get", exchange, deadline)
 
     def put(self, items: Sequence[tuple[bytes, bytes]], *, timeout_s: float) -> int:
         """Send blocks over one connection; how many the server stored.
@@ -192,8 +207,9 @@ class DataPlaneClient:
 
     # -- exchanges -------------------------------------------------------------------
 
-    def _exchange(self, op: str, fn: Callable[[Stream], T]) -> T:
-        stream, reused = self._acquire()
+    def _exchange(self, op: str, fn: Callable[[Stream], T], deadline: float | None = None) -> T:
+        """``fn`` over a pooled connection; a new one is opened by ``deadline`` (if given)."""
+        stream, reused = self._acquire(deadline)
         before = stream.bytes_in
         try:
             result = fn(stream)
@@ -202,7 +218,7 @@ class DataPlaneClient:
             if reused and stream.bytes_in == before and not isinstance(e, StreamTimeoutError):
                 # An idle connection the server closed (idle timeout, restart) just now:
                 # the request never reached it. Once more on a fresh connection.
-                return self._exchange_fresh(op, fn)
+                return self._exchange_fresh(op, fn, deadline)
             raise self._io_error(op, e) from None
         except BaseException:
             stream.close()
@@ -210,8 +226,10 @@ class DataPlaneClient:
         self._release(stream)
         return result
 
-    def _exchange_fresh(self, op: str, fn: Callable[[Stream], T]) -> T:
-        stream = self._open()
+    def _exchange_fresh(
+        self, op: str, fn: Callable[[Stream], T], deadline: float | None = None
+    ) -> T:
+        stream = self._open(deadline)
         try:
             result = fn(stream)
         except StreamError as e:
@@ -259,13 +277,13 @@ class DataPlaneClient:
 
     # -- the pool --------------------------------------------------------------------
 
-    def _acquire(self) -> tuple[Stream, bool]:
+    def _acquire(self, deadline: float | None = None) -> tuple[Stream, bool]:
         """An idle connection that is still good (``True``), or a new one (``False``)."""
         while True:
             with self._lock:
                 stream = self._idle.pop() if self._idle else None
             if stream is None:
-                return self._open(), False
+                return self._open(deadline), False
             if stream.readable():  # the server closed it (or sent what we never asked for)
                 stream.close()
                 continue
@@ -278,16 +296,24 @@ class DataPlaneClient:
                 return
         stream.close()
 
-    def _open(self) -> Stream:
-        """Connect and shake hands.
+    def _open(self, deadline: float | None = None) -> Stream:
+        """Connect and shake hands, within ``connect_timeout_s`` and by ``deadline`` (if given).
+
+        A connection cut short by the deadline is unavailable like any other:
+        the attempt may fall back to gRPC (with what is left, if anything).
 
         Raises:
             DataPlaneUnavailableError: no connection, no or a refused handshake.
             RemoteAuthError: the server refused the token.
         """
         where = f"{self.host}:{self.port}"
+        timeout = self._connect_timeout_s
+        end: float | None = None
+        if deadline is not None:
+            end = min(time.monotonic() + timeout, deadline)
+            timeout = max(0.001, end - time.monotonic())
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self._connect_timeout_s)
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
         except OSError as e:
             raise self._unavailable(f"cannot connect to {where}: {e}") from None
         stream: Stream | None = None
@@ -296,6 +322,8 @@ class DataPlaneClient:
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._server_hostname)
             stream = Stream(sock, self._connect_timeout_s)
+            if end is not None:
+                stream.set_deadline(end)  # the whole handshake, not each of its reads
             stream.write([self._hello])
             magic, version = wire.HELLO_REPLY.unpack(stream.read_exact(wire.HELLO_REPLY.size))
             if magic != wire.MAGIC:

@@ -173,10 +173,19 @@ function render(data) {
   document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
 }
 
+// With server.http_require_token the browser asked for a name and password when the page
+// loaded (password: a tenant token); it sends them again with these same-origin polls.
+const REFUSED = {
+  401: "token required: reload and sign in (any user name, a tenant token as password)",
+  403: "this token's role may not read the dashboard (server.http_role)",
+};
+
 async function poll() {
   try {
-    const resp = await fetch("/api/stats", { cache: "no-store" });
-    if (!resp.ok) throw new Error("HTTP " + resp.status);
+    // location.origin, not a relative URL: a page opened as http://user:token@host/ has
+    // credentials in its URL, and fetch refuses URLs that carry them
+    const resp = await fetch(location.origin + "/api/stats", { cache: "no-store", credentials: "same-origin" });
+    if (!resp.ok) throw new Error(REFUSED[resp.status] || "HTTP " + resp.status);
     render(await resp.json());
   } catch (e) {
     const st = $("status");

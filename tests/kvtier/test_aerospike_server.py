@@ -19,6 +19,7 @@ from aerospike_helpers.batch.records import BatchRecords, Read, Remove, Write
 from aerospike_helpers.operations import operations as op
 
 from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
+from tests.support.timeouts import scaled_ms
 
 MiB = 1024 * 1024
 
@@ -31,7 +32,7 @@ def server() -> Iterator[AerospikeTestServer]:
 
 @pytest.fixture
 def client(server: AerospikeTestServer) -> Iterator[Any]:
-    policy = {"total_timeout": 1000, "max_retries": 0}
+    policy = {"total_timeout": scaled_ms(1000), "max_retries": 0}
     c = aerospike.client(
         {
             "hosts": [(server.host, server.port)],

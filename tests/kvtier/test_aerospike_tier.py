@@ -30,6 +30,7 @@ from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.aerospike_layout import BIN_SEGMENT, Manifest
 from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
 from tests.support.aerospike_target import InProcessTarget, Target, make_target
+from tests.support.timeouts import aerospike_timeouts
 
 KiB, MiB = 1024, 1024 * 1024
 NS, SET = "kvcache", "kvblocks"
@@ -52,6 +53,8 @@ def make_tier(srv: AerospikeTestServer | Target, **overrides: object) -> Aerospi
     if isinstance(srv, Target):
         overrides.setdefault("set_name", srv.set_name)
         overrides.setdefault("namespace", srv.namespace)
+    for name, value in aerospike_timeouts().items():  # a busy host must not fail these
+        overrides.setdefault(name, value)
     cfg = AerospikeTierConfig(hosts=[srv.address], **overrides)  # type: ignore[arg-type]
     return AerospikeTier(cfg)
 
@@ -93,9 +96,9 @@ def test_round_trip_sizes_under_record_caps(cap: int) -> None:
 def test_32mib_encoded_block_round_trips(cap: int) -> None:
     # [layers, 2, tokens, kv_heads, head_dim] bf16: 32 * 2 * 256 * 8 * 128 * 2 B = 32 MiB
     kv = activation_like_kv((32, 2, 256, 8, 128), torch.bfloat16, seed=cap)
-    block = encode_block(kv)
-    assert len(block) > 32 * MiB
     key = os.urandom(16)
+    block = encode_block(kv, key=key)
+    assert len(block) > 32 * MiB
     target = make_target(max_record_size=cap)
     tier = make_tier(target)
     try:
@@ -124,9 +127,9 @@ def test_small_blocks_are_one_record_and_one_round_trip(target: Target) -> None:
     items = [(os.urandom(16), rand_bytes(8 * KiB, i)) for i in range(20)]
     before = tier.stats().round_trips
     assert tier.put(items) == [True] * 20
-    assert tier.stats().round_trips - before == 1
+    assert tier.stats().round_trips - before == 2  # the dedup check, then one batch write
     assert tier.get([k for k, _ in items]) == [b for _, b in items]
-    assert tier.stats().round_trips - before == 2
+    assert tier.stats().round_trips - before == 3
     assert target.record_count() == 20
     tier.close()
 
@@ -290,7 +293,8 @@ def test_writer_killed_before_its_manifest_leaves_nothing_readable(
 def test_lost_manifest_write_leaves_nothing_readable(server: AerospikeTestServer) -> None:
     tier = make_tier(server, segment_size=16 * KiB, max_retries=1)
     key = os.urandom(16)
-    server.drop_next(2, skip=1)  # segments land; the manifest write and its retry are dropped
+    # The dedup check and the segments land; the manifest write and its retry are dropped.
+    server.drop_next(2, skip=2)
     with pytest.raises(TransientError):
         tier.put([(key, rand_bytes(64 * KiB, 3))])
     assert record_count(server) == 4  # orphan segments, reclaimed by TTL
@@ -302,7 +306,8 @@ def test_lost_manifest_write_leaves_nothing_readable(server: AerospikeTestServer
 def test_in_doubt_manifest_retry_keeps_the_block(server: AerospikeTestServer) -> None:
     tier = make_tier(server, segment_size=16 * KiB, max_retries=2)
     key, block = os.urandom(16), rand_bytes(64 * KiB, 4)
-    server.drop_next(1, after_apply=True, skip=1)  # the manifest lands, its reply is lost
+    # After the dedup check and the segments, the manifest lands but its reply is lost.
+    server.drop_next(1, after_apply=True, skip=2)
     assert tier.put([(key, block)]) == [True]
     assert tier.stats().retries == 1
     assert tier.stats().orphan_cleanups == 0  # our own manifest: segments kept

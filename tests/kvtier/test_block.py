@@ -28,6 +28,7 @@ from kvtier.errors import (
 )
 
 SHAPE = (3, 2, 32, 2, 16)  # [layers, 2, tokens, kv_heads, head_dim]
+KEY = bytes(range(16))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,7 @@ def test_raw_round_trip_is_bitwise(dtype: torch.dtype, compression: Compression)
     kv = activation_like_kv(SHAPE, dtype, seed=3)
     kv.view(-1)[5] = float("nan")  # special values survive too
     kv.view(-1)[6] = float("-inf")
-    block = encode_block(kv, compression=compression)
+    block = encode_block(kv, key=KEY, compression=compression)
     out = decode_block(block)
     assert out.header.kv_dtype == dtype and out.header.shape == SHAPE
     assert out.scales is None
@@ -49,7 +50,7 @@ def test_raw_round_trip_is_bitwise(dtype: torch.dtype, compression: Compression)
 
 def test_uncompressed_decode_is_zero_copy() -> None:
     kv = activation_like_kv(SHAPE)
-    block = encode_block(kv)
+    block = encode_block(kv, key=KEY)
     out = decode_block(block)
     # The tensor views the block's buffer: its address lies inside it.
     base = ctypes.cast(ctypes.c_char_p(block), ctypes.c_void_p).value
@@ -64,7 +65,7 @@ def test_quantized_round_trip_keeps_scales(encoding: Encoding) -> None:
     if dtype != torch.int8:
         data = torch.randn(SHAPE).to(dtype)
     scales = torch.rand(SHAPE[:4])
-    block = encode_block(data, encoding=encoding, scales=scales, kv_dtype=torch.bfloat16)
+    block = encode_block(data, key=KEY, encoding=encoding, scales=scales, kv_dtype=torch.bfloat16)
     out = decode_block(block)
     assert out.header.encoding == encoding and out.header.kv_dtype == torch.bfloat16
     assert out.scales is not None and torch.equal(out.scales, scales)
@@ -73,20 +74,25 @@ def test_quantized_round_trip_keeps_scales(encoding: Encoding) -> None:
 
 def test_encode_rejects_inconsistent_input() -> None:
     with pytest.raises(ValueError):
-        encode_block(torch.zeros(2, 3, 4, 5, 6))
+        encode_block(torch.zeros(2, 3, 4, 5, 6), key=KEY)
     with pytest.raises(ValueError):
-        encode_block(torch.zeros(SHAPE, dtype=torch.int32))
+        encode_block(torch.zeros(SHAPE, dtype=torch.int32), key=KEY)
     with pytest.raises(ValueError):
         encode_block(
-            torch.zeros(SHAPE, dtype=torch.int8), encoding=Encoding.INT8, kv_dtype=torch.float16
+            torch.zeros(SHAPE, dtype=torch.int8),
+            key=KEY,
+            encoding=Encoding.INT8,
+            kv_dtype=torch.float16,
         )
     with pytest.raises(ValueError):
-        encode_block(torch.zeros(SHAPE), scales=torch.zeros(SHAPE[:4]))
+        encode_block(torch.zeros(SHAPE), key=KEY, scales=torch.zeros(SHAPE[:4]))
+    with pytest.raises(ValueError, match="16 bytes"):
+        encode_block(torch.zeros(SHAPE), key=b"short")
 
 
 @pytest.fixture(params=[Compression.NONE, Compression.LZ4])
 def block(request: pytest.FixtureRequest) -> bytes:
-    return encode_block(activation_like_kv(SHAPE, seed=1), compression=request.param)
+    return encode_block(activation_like_kv(SHAPE, seed=1), key=KEY, compression=request.param)
 
 
 def test_flipped_payload_byte_is_rejected(block: bytes) -> None:

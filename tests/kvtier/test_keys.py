@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -71,6 +73,7 @@ def test_namespace_validation() -> None:
         ("kv_dtype", "float16"),
         ("chunk_size", 32),
         ("tenant_salt", b"tenant-a"),
+        ("key_hash", "xxh3"),
     ],
 )
 def test_every_namespace_field_changes_every_key(field: str, value: object) -> None:
@@ -143,14 +146,23 @@ def test_identical_across_processes_and_hash_seeds() -> None:
     )
 
 
-def test_chain_matches_the_documented_scheme() -> None:
-    ns = CacheNamespace("m", "f", 1, 1, 1, "bfloat16", 16)
+@pytest.mark.parametrize(
+    "key_hash,digest,pinned",
+    [
+        ("sha256", lambda b: hashlib.sha256(b).digest()[:16], "b9e5d36dcbad329cdf544359886b57f2"),
+        ("xxh3", xxhash.xxh3_128_digest, "f49dc954ec49f245130a95112bfac703"),
+    ],
+)
+def test_chain_matches_the_documented_scheme(
+    key_hash: str, digest: Callable[[bytes], bytes], pinned: str
+) -> None:
+    ns = CacheNamespace("m", "f", 1, 1, 1, "bfloat16", 16, key_hash=key_hash)  # type: ignore[arg-type]
     toks = list(range(40))
-    prev = xxhash.xxh3_128_digest(ns.encode())
+    prev = digest(ns.encode())
     expected = []
     for i in range(2):
-        prev = xxhash.xxh3_128_digest(prev + struct.pack("<16i", *toks[16 * i : 16 * (i + 1)]))
+        prev = digest(prev + struct.pack("<16i", *toks[16 * i : 16 * (i + 1)]))
         expected.append(prev)
     assert chunk_keys(toks, ns) == expected
     # Pins the namespace encoding too: changing it is a format break (old caches go cold).
-    assert expected[0].hex() == "52b5797e53e23d39b401f9fbf57710e5"
+    assert expected[0].hex() == pinned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ConfigError, TransientError
+from kvtier.errors import ConfigError, DeadlineExceededError, TransientError
 from kvtier.retry import ExponentialBackoff, NoBackoff, Retry
 
 
@@ -111,6 +111,69 @@ def test_deadline_shortens_and_stops_retries() -> None:
     assert len(calls) == 3
 
 
+class SlowAttempts(FakeTime):
+    """Each attempt takes ``attempt_s`` of fake time and fails."""
+
+    def __init__(self, attempt_s: float) -> None:
+        super().__init__()
+        self.attempt_s = attempt_s
+        self.starts: list[float] = []
+
+    def fn(self) -> str:
+        self.starts.append(self.now)
+        self.now += self.attempt_s
+        raise TransientError(f"attempt {len(self.starts)}")
+
+
+def test_call_deadline_bounds_attempts_and_backoff() -> None:
+    t = SlowAttempts(attempt_s=0.2)
+    retry = Retry(
+        ExponentialBackoff(base=0.05, cap=1, jitter=0),
+        10,
+        (TransientError,),
+        min_attempt=0.01,
+        sleep=t.sleep,
+        clock=t.clock,
+    )
+    with pytest.raises(TransientError, match="attempt 2"):
+        retry.call(t.fn, deadline=0.5)
+    # attempts at 0 and 0.25; a third would start at 0.55 (after a 0.1 s backoff): not started,
+    # and its backoff is not slept either
+    assert t.starts == pytest.approx([0.0, 0.25])
+    assert t.sleeps == pytest.approx([0.05])
+    assert t.now <= 0.5
+
+
+def test_call_deadline_needs_room_for_an_attempt() -> None:
+    t = SlowAttempts(attempt_s=0.1)
+    retry = Retry(NoBackoff(), 10, (TransientError,), min_attempt=0.05, clock=t.clock)
+    with pytest.raises(TransientError, match="attempt 2"):
+        retry.call(t.fn, deadline=0.24)
+    assert t.starts == pytest.approx([0.0, 0.1])  # at 0.2 only 0.04 was left
+    t.now = 1.0
+    with pytest.raises(DeadlineExceededError):
+        retry.call(t.fn, deadline=1.04)  # not even a first attempt
+    assert len(t.starts) == 2
+
+
+def test_past_deadline_raises_without_an_attempt() -> None:
+    t = SlowAttempts(attempt_s=0.1)
+    t.now = 5.0
+    retry = Retry(NoBackoff(), 3, (TransientError,), clock=t.clock)
+    with pytest.raises(DeadlineExceededError):
+        retry.call(t.fn, deadline=5.0)
+    assert t.starts == []
+    assert issubclass(DeadlineExceededError, TransientError)
+
+
+def test_no_deadline_keeps_every_retry() -> None:
+    t = SlowAttempts(attempt_s=10.0)
+    retry = Retry(NoBackoff(), 4, (TransientError,), sleep=t.sleep, clock=t.clock)
+    with pytest.raises(TransientError, match="attempt 5"):
+        retry.call(t.fn)
+    assert len(t.starts) == 5
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"base": -1}, {"cap": -1}, {"factor": 0.5}, {"jitter": 1.5}],
@@ -125,3 +188,5 @@ def test_bad_retry_arguments_are_rejected() -> None:
         Retry(NoBackoff(), -1, (TransientError,))
     with pytest.raises(ValueError):
         Retry(NoBackoff(), 1, (TransientError,), deadline=0)
+    with pytest.raises(ValueError):
+        Retry(NoBackoff(), 1, (TransientError,), min_attempt=-0.1)

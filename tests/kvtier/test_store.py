@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import ConfigError, TierUnavailableError, TransientError
+from kvtier.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    TierUnavailableError,
+    TransientError,
+)
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore, WritePolicy
 from kvtier.tiers.cpu import CpuTier
@@ -211,3 +216,81 @@ def test_delete_wins_over_queued_and_in_flight_writes() -> None:
         s.put([(key(0), block(0))])
         assert s.flush(10)
         assert key(0) in slow.data
+
+
+def test_get_hands_each_tier_what_is_left_of_one_deadline() -> None:
+    upper = FlakyTier("upper", delay=0.3)
+    lower = FlakyTier("lower")
+    lower.data[key(1)] = block(1)
+    with TieredStore([CpuTier(BLOCK_LEN * 10), upper, lower]) as s:
+        s.tiers[0].put([(key(0), block(0))])
+        start = time.monotonic()
+        deadline = start + 5.0
+        assert s.get([key(0), key(1)], deadline=deadline) == [block(0), block(1)]
+        [(_, got_upper, left_upper)] = upper.deadlines
+        [(_, got_lower, left_lower)] = lower.deadlines
+        assert got_upper == got_lower == deadline  # one instant for the whole get
+        assert left_upper is not None and left_lower is not None
+        assert left_lower <= deadline - start - 0.3  # the slow upper tier's time is gone
+        assert left_lower < left_upper
+        assert s.tiers[0].contains([key(1)]) == [True]  # a late hit is still promoted
+        upper.deadlines.clear()
+        lower.deadlines.clear()
+        assert s.lookup([key(0), key(1), key(2)], deadline=deadline) == 2
+        assert s.contains([key(2)], deadline=deadline) == [False]
+        assert [d for _, d, _ in upper.deadlines + lower.deadlines] == [deadline] * 4
+
+
+def test_without_a_deadline_tiers_are_called_as_before() -> None:
+    lower = FlakyTier("lower")
+    with TieredStore([CpuTier(BLOCK_LEN * 10), lower]) as s:
+        s.get([key(1)])
+        s.lookup([key(1)])
+        s.contains([key(1)])
+        assert [d for _, d, _ in lower.deadlines] == [None] * 3
+
+
+class OldTier(FlakyTier):
+    """A tier written before deadlines: its reads take no ``deadline`` keyword."""
+
+    def contains(self, keys):  # type: ignore[override]
+        return super().contains(keys)
+
+    def get(self, keys):  # type: ignore[override]
+        return super().get(keys)
+
+
+def test_a_tier_without_deadlines_still_works_without_one() -> None:
+    old = OldTier("old")
+    old.data[key(1)] = block(1)
+    with TieredStore([CpuTier(BLOCK_LEN * 10), old]) as s:
+        assert s.lookup([key(1)]) == 1
+        assert s.get([key(1)]) == [block(1)]
+        assert old.prefix_length([key(1), key(2)]) == 1
+
+
+@pytest.mark.parametrize(
+    "error", [DeadlineExceededError("late"), TransientError("attempt timed out at the deadline")]
+)
+def test_a_tier_out_of_time_is_a_counted_miss(error: Exception) -> None:
+    late = FlakyTier("remote")
+    late.data[key(1)] = block(1)
+    late.fail = error
+    with TieredStore([CpuTier(BLOCK_LEN * 10), late]) as s:
+        s.tiers[0].put([(key(0), block(0))])
+        deadline = time.monotonic() + 5
+        assert s.get([key(0), key(1)], deadline=deadline) == [block(0), None]
+        assert s.lookup([key(0), key(1)], deadline=deadline) == 1
+        assert (
+            s.metrics.value("kvtier_tier_errors_total", {"tier": "remote", "kind": "transient"})
+            == 2
+        )
+
+
+def test_a_past_deadline_still_serves_memory_and_skips_io(tmp_path: Path) -> None:
+    with make(tmp_path, cpu_blocks=1) as s:
+        s.put([(key(0), block(0)), (key(1), block(1))])  # key 1 pushes key 0 out of the CPU tier
+        assert s.flush(5)
+        past = time.monotonic() - 1
+        assert s.get([key(0), key(1)], deadline=past) == [None, block(1)]
+        assert s.get([key(0), key(1)]) == [block(0), block(1)]

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from kvtier.block import encode_block
+from kvtier.block import HEADER_SIZE, encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.metrics import StoreMetrics
 from kvtier.server.app import CacheServer
@@ -121,10 +121,11 @@ def keys(ids: Sequence[int]) -> list[bytes]:
 
 
 def sized_block(i: int, nbytes: int) -> bytes:
-    """A valid block of about ``nbytes`` (within 128 bytes), content depending on ``i``; fast to make."""
-    tokens = max(1, (nbytes - 64) // 128)  # [2 layers, K/V, tokens, 2 heads, 8] bf16: 128 B/token
+    """A valid block of about ``nbytes`` (within 128 bytes), content depending on ``i``, bound to
+    ``key(i)``; fast to make."""
+    tokens = max(1, (nbytes - HEADER_SIZE) // 128)  # [2 layers, K/V, tokens, 2 heads, 8] bf16
     values = (torch.arange(2 * 2 * tokens * 2 * 8, dtype=torch.int32) * (2 * i + 1)) % 251
-    return encode_block(values.to(torch.bfloat16).view(2, 2, tokens, 2, 8))
+    return encode_block(values.to(torch.bfloat16).view(2, 2, tokens, 2, 8), key=key(i))
 
 
 def wait_until(predicate: Any, what: str, timeout: float = 10.0) -> None:

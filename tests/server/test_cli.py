@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import xxhash
 from click.testing import CliRunner
 
 from kvtier.block import verify_block
@@ -21,7 +20,7 @@ from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.server.loader import SERVER_DISK_DIR, load_server_config
 from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.tenants import tenant_salt
+from kvtier.server.tenants import scope_key, tenant_salt
 from kvtier.tiers.disk import DiskTier
 from tests.server.helpers import (
     TOKENS,
@@ -145,7 +144,7 @@ def test_serve_finishes_a_put_in_flight_on_sigterm_and_flushes_to_disk(tmp_path:
             proc.wait()
     # the block reached the disk tier before the process exited
     disk = DiskTier(tmp_path / "disk", 256 << 20)
-    scoped = xxhash.xxh3_128_digest(tenant_salt("alpha") + k)
+    scoped = scope_key(tenant_salt("alpha"), k)
     (got,) = disk.get([scoped])
     assert got == data
     verify_block(got)

@@ -9,10 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-import xxhash
-
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, StoreConfig
-from kvtier.server.tenants import tenant_salt
+from kvtier.server.tenants import scope_key, tenant_salt
 from tests.server.helpers import TOKENS, block, key, remote, running_server, server_config, tenants
 
 CLIENTS = 16
@@ -24,7 +22,7 @@ DELETE_BASE = 10_000  # each client also puts and deletes keys of its own in thi
 
 def content(tenant: str, i: int) -> bytes:
     # different tenants store different blocks under the same key: a leak would show as a mismatch
-    return block((0 if tenant == "alpha" else 500_000) + i, tokens=8 + i % 24)
+    return block((0 if tenant == "alpha" else 500_000) + i, tokens=8 + i % 24, bound=key(i))
 
 
 def test_sixteen_clients_leave_the_store_consistent(tmp_path: Path) -> None:
@@ -120,7 +118,7 @@ def test_sixteen_clients_leave_the_store_consistent(tmp_path: Path) -> None:
             tier.close()
             # write-through: the disk tier holds every block too, under the tenant's scoped key
             salt = tenant_salt(tenant)
-            scoped = [xxhash.xxh3_128_digest(salt + key(i)) for i in ordered]
+            scoped = [scope_key(salt, key(i)) for i in ordered]
             assert all(server.store.tiers[1].contains(scoped))
             # deleted keys: gone from every tier once no write is pending
             gone = [key(i) for i in deleted[tenant]]

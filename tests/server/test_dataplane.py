@@ -117,7 +117,7 @@ def test_tenants_cannot_read_detect_or_delete_each_others_blocks(closed_server) 
     a = remote(s, token=TOKENS["alpha"])
     b = remote(s, token=TOKENS["beta"])
     k = key(1200)
-    block_a, block_b = block(1), block(2)
+    block_a, block_b = block(1, bound=k), block(2, bound=k)
     assert a.put([(k, block_a)]) == [True]
     assert b.get([k]) == [None]  # over the data plane
     assert b.contains([k]) == [False] and b.prefix_length([k]) == 0
@@ -158,7 +158,7 @@ def test_unauthenticated_connections_are_refused_and_closed(closed_server, token
 
 
 def test_roles_apply_to_the_data_plane(closed_server) -> None:
-    k = key(1300)
+    k = key(13)
     writer = remote(closed_server, token=TOKENS["alpha"])
     writer.put([(k, block(13))])
     with RawConn(closed_server.data_port) as conn:

@@ -115,7 +115,7 @@ def test_tenants_cannot_read_detect_or_delete_each_others_blocks(closed_server) 
     _server, s = closed_server
     a, b = TOKENS["alpha"], TOKENS["beta"]
     k = key(1200)
-    block_a, block_b = block(1), block(2)
+    block_a, block_b = block(1, bound=k), block(2, bound=k)
     s.Put(as_batches(put_frames(k, block_a)), metadata=auth(a), timeout=10)
     assert get_blocks(s, [k], a) == [block_a]
     # beta asks for the very same 16 bytes: nothing there, by any call
@@ -216,7 +216,7 @@ def test_bad_keys_are_refused_by_every_keyed_call(closed_server, keys, code, wor
 
 
 def _bad_puts(k: bytes) -> list[tuple[str, list[pb.PutFrame], grpc.StatusCode, str]]:
-    good = block(5, tokens=200)
+    good = block(5, tokens=200, bound=k)
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0xFF
     lying = bytearray(good)
@@ -285,14 +285,20 @@ def _bad_puts(k: bytes) -> list[tuple[str, list[pb.PutFrame], grpc.StatusCode, s
         ),
         (
             "too many blocks in one stream",
-            [f for i in range(65) for f in put_frames(key(5000 + i), block(i))],
+            [f for i in range(65) for f in put_frames(key(5000 + i), block(5000 + i))],
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "more than 64 blocks",
+        ),
+        (
+            "a valid block of another key",
+            put_frames(k, block(5, tokens=200)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not for key",
         ),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(13))
 def test_bad_puts_get_a_clear_status_and_store_nothing(closed_server, case: int) -> None:
     _server, s = closed_server
     md = auth(TOKENS["alpha"])
@@ -304,7 +310,7 @@ def test_bad_puts_get_a_clear_status_and_store_nothing(closed_server, case: int)
     assert words in (e.value.details() or ""), (name, e.value.details())
     assert s.Lookup(pb.KeysRequest(keys=[k]), metadata=md).prefix_length == 0, name
     # and the server goes on serving
-    good = block(7)
+    good = block(7, bound=k)
     s.Put(as_batches(put_frames(k, good)), metadata=md, timeout=10)
     assert get_blocks(s, [k], TOKENS["alpha"]) == [good]
 
@@ -312,31 +318,33 @@ def test_bad_puts_get_a_clear_status_and_store_nothing(closed_server, case: int)
 def test_put_byte_budget_refuses_while_full(closed_server) -> None:
     server, s = closed_server
     md = auth(TOKENS["alpha"])
-    big = block(9, tokens=7000)  # 0.85 MiB: two fit in the 2 MiB budget, three do not
-    assert len(big) <= MiB
+    # 0.85 MiB each: two fit in the 2 MiB budget, three do not
+    big = {i: block(9, tokens=7000, bound=key(i)) for i in (3001, 3002, 3003)}
+    size = len(big[3001])
+    assert size <= MiB
     release = threading.Event()
 
-    def slow_frames(k: bytes) -> Iterator[pb.PutFrame]:
-        frames = put_frames(k, big)
+    def slow_frames(i: int) -> Iterator[pb.PutFrame]:
+        frames = put_frames(key(i), big[i])
         yield frames[0]
         release.wait(10)
         yield from frames[1:]
 
     # two streams reserve ~2 MiB together (the budget); the third is refused
-    f1 = s.Put.future(as_batches(slow_frames(key(3001))), metadata=md, timeout=20)
-    f2 = s.Put.future(as_batches(slow_frames(key(3002))), metadata=md, timeout=20)
+    f1 = s.Put.future(as_batches(slow_frames(3001)), metadata=md, timeout=20)
+    f2 = s.Put.future(as_batches(slow_frames(3002)), metadata=md, timeout=20)
     deadline = time.monotonic() + 10
-    while server.service.put_budget.used < 2 * len(big):
+    while server.service.put_budget.used < 2 * size:
         assert time.monotonic() < deadline, "the two streams never reserved their blocks"
         time.sleep(0.01)
     with pytest.raises(grpc.RpcError) as e:
-        s.Put(as_batches(put_frames(key(3003), big)), metadata=md, timeout=10)
+        s.Put(as_batches(put_frames(key(3003), big[3003])), metadata=md, timeout=10)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many bytes at once" in e.value.details()
     release.set()
     assert f1.result().blocks == 1 and f2.result().blocks == 1
     assert server.service.put_budget.used == 0
-    s.Put(as_batches(put_frames(key(3003), big)), metadata=md, timeout=10)
+    s.Put(as_batches(put_frames(key(3003), big[3003])), metadata=md, timeout=10)
 
 
 def test_cancelled_put_stream_leaves_no_partial_block(closed_server) -> None:

@@ -49,7 +49,9 @@ What it implements:
   after applying the command), :meth:`delay_next`, :attr:`refuse_connections`,
   :meth:`drop_connections`, and :meth:`stop`/:meth:`start` on the same port
   (records survive a restart).
-* **Counters**: :attr:`counts` by command kind, for round-trip assertions.
+* **Counters**: :attr:`counts` by command kind, for round-trip assertions;
+  :attr:`bytes_received`, the bytes of every message request (proto header
+  included, info excluded), for what a client uploads.
 
 What it does not implement: security/admin (type 2), compressed messages
 (type 4), TLS, queries and scans, UDFs, CDT/bit/HLL/increment operations,
@@ -274,6 +276,8 @@ class AerospikeTestServer:
         batch_rows, batch_repeat_rows, read_touch, dropped, failed."""
         self.largest_message = 0
         """Size in bytes of the largest message (not info) request received."""
+        self.bytes_received = 0
+        """Bytes of all message (not info) requests received, 8-byte proto headers included."""
         self._records: dict[tuple[str, bytes], StoredRecord] = {}
         self._lock = threading.Lock()
         self._clock_offset = 0
@@ -393,8 +397,10 @@ class AerospikeTestServer:
             )
 
     def reset_counts(self) -> None:
+        """Zero :attr:`counts` and :attr:`bytes_received`."""
         with self._lock:
             self.counts.clear()
+            self.bytes_received = 0
 
     def record(self, namespace: str, digest: bytes) -> StoredRecord | None:
         """The live record with this digest, or ``None``."""
@@ -464,6 +470,7 @@ class AerospikeTestServer:
                 if msg_type == TYPE_MESSAGE:
                     with self._lock:
                         self.largest_message = max(self.largest_message, size)
+                        self.bytes_received += len(header) + size
                 if msg_type == TYPE_INFO:
                     reply = self._handle_info(bytes(body))
                     conn.sendall(_proto(TYPE_INFO, reply) + reply)
