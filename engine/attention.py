@@ -18,10 +18,13 @@ tiles so that the masked work stays close to the causal triangle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvtier.engine.cpu_kernels import CpuKernels
 
 # Queries per tile when a prefill span follows a cached prefix.
 DEFAULT_PREFILL_TILE = 512
@@ -36,7 +39,8 @@ class PrefillSpan:
         q_len: Rows (new tokens) in the span.
         prefix_len: Tokens already in the cache before this chunk.
         block_ids: ``[ceil((prefix_len + q_len) / block_size)]`` long, the
-            blocks to gather; ``None`` when ``prefix_len == 0``.
+            blocks to gather (or for the prefill kernel to read); ``None``
+            when ``prefix_len == 0`` and the backend does not read in place.
         tiles: ``(q_from, q_to, k_len, mask)`` per query tile, ``mask``
             ``[q_to - q_from, k_len]`` bool (True = attend); empty when
             ``prefix_len == 0``.
@@ -60,6 +64,7 @@ class AttentionMetadata:
         decode_block_table: ``[B, max_blocks]`` long (padded with block 0), or None.
         decode_mask: ``[B, 1, 1, max_blocks * block_size]`` bool, True for
             positions ``< context length``; or None.
+        decode_lens: ``[B]`` int64 context length of each decode (CPU), or None.
         prefills: The prefill spans after the decodes.
     """
 
@@ -67,6 +72,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_table: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -114,9 +120,17 @@ class TorchPagedAttention:
     Args:
         kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
         num_heads: Query heads.
+        kernels: The CPU kernels (``cpu_kernels.py``): decodes,
+            and prefill spans of a bfloat16 cache, use them instead of
+            gather + SDPA when they support the cache.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        kernels: CpuKernels | None = None,
+    ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be [L, 2, N, B, H, D], got {tuple(kv_cache.shape)}")
         self.kv_cache = kv_cache
@@ -127,6 +141,15 @@ class TorchPagedAttention:
         if num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of the cache's kv heads")
         self.group = num_heads // self.num_kv_heads
+        if kernels is not None and not kernels.supports(kv_cache):
+            kernels = None
+        self.decode_kernel = kernels
+        self.prefill_kernel = (
+            kernels if kernels is not None and kernels.supports_prefill(kv_cache) else None
+        )
+        # prefill spans read K/V from the cache in place: they need block
+        # tables (a cold span too) and no query tiles or masks
+        self.prefill_in_place = self.prefill_kernel is not None
 
     def write_kv(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -158,6 +181,16 @@ class TorchPagedAttention:
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert meta.decode_block_table is not None and meta.decode_mask is not None
         b, hk, d = meta.num_decode_tokens, self.num_kv_heads, self.head_dim
+        if self.decode_kernel is not None and meta.decode_lens is not None:
+            # reads K/V in place: no gather of the whole context
+            return self.decode_kernel.decode(
+                q[:b],
+                self.kv_cache[layer, 0],
+                self.kv_cache[layer, 1],
+                meta.decode_block_table,
+                meta.decode_lens,
+                d**-0.5,
+            )
         flat = meta.decode_block_table.view(-1)  # [B * nb]
         # NOTE: index_select over whole blocks is ~9x faster on CPU than
         # advanced indexing with the 2-D table.
@@ -178,13 +211,26 @@ class TorchPagedAttention:
         out: torch.Tensor,
     ) -> None:
         s, n = span.q_start, span.q_len
+        if self.prefill_kernel is not None:
+            assert span.block_ids is not None
+            # flash attention reading K/V in place, the span's own included
+            out[s : s + n] = self.prefill_kernel.prefill(
+                q[s : s + n],
+                self.kv_cache[layer, 0],
+                self.kv_cache[layer, 1],
+                span.block_ids,
+                span.prefix_len,
+                self.head_dim**-0.5,
+            )
+            return
         qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        if span.block_ids is None:
+        if span.prefix_len == 0:
             ks = k[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, d]
             vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             out[s : s + n] = o[0].transpose(0, 1)
             return
+        assert span.block_ids is not None
         hk, d = self.num_kv_heads, self.head_dim
         ctx = span.prefix_len + n
         # [nb, block, hk, d] -> [1, hk, ctx, d]

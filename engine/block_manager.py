@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -35,6 +36,16 @@ def chain_hash(prev: int | None, tokens: list[int]) -> int:
     h.update(((_HASH_SEED if prev is None else prev) & (2**64 - 1)).to_bytes(8, "little"))
     h.update(np.asarray(tokens, dtype="<i4").tobytes())
     return h.intdigest()
+
+
+class BlockListener(Protocol):
+    """Told when the prefix cache gains or loses a block (``kv_events.KvEventRecorder``)."""
+
+    def stored(self, request_id: str, token_ids: list[int], index: int, block_id: int) -> None: ...
+
+    def evicted(self, block_id: int) -> None: ...
+
+    def released(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -67,8 +78,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        self._num_cached_free = 0  # free blocks that still hold a registered prefix
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.listener: BlockListener | None = None  # KV events (engine/kv_events.py)
 
     # ---- queries -----------------------------------------------------------
 
@@ -85,7 +98,7 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a registered prefix."""
-        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+        return self._num_cached_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -153,6 +166,7 @@ class BlockManager:
             block = self.blocks[b]
             if block.ref_count == 0:
                 del self._free[b]
+                self._num_cached_free -= block.hash is not None
             block.ref_count += 1
             request.block_ids.append(b)
         request.num_cached_blocks = len(cached_blocks)
@@ -163,8 +177,11 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
+            self._num_cached_free -= 1
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
+                if self.listener is not None:
+                    self.listener.evicted(block_id)
             block.hash = None
             block.tokens = None
         block.ref_count = 1
@@ -194,8 +211,11 @@ class BlockManager:
                 raise RuntimeError(f"block {b} freed more often than allocated")
             if block.ref_count == 0:
                 self._free[b] = None
+                self._num_cached_free += block.hash is not None
         request.block_ids = []
         request.num_cached_blocks = 0
+        if self.listener is not None:
+            self.listener.released(request.request_id)
 
     def cache_blocks(self, request: Request) -> None:
         """Registers ``request``'s newly full, computed blocks in the prefix cache."""
@@ -213,6 +233,8 @@ class BlockManager:
                 block.hash = h
                 block.tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
                 self._hash_to_block[h] = block.block_id
+                if self.listener is not None:
+                    self.listener.stored(request.request_id, request.token_ids, i, block.block_id)
         request.num_cached_blocks = full
 
     def check_integrity(self, requests: list[Request]) -> None:
@@ -234,3 +256,7 @@ class BlockManager:
             )
         for h, b in self._hash_to_block.items():
             assert self.blocks[b].hash == h, f"hash table points at block {b} with another hash"
+        cached_free = sum(1 for b in self._free if self.blocks[b].hash is not None)
+        assert cached_free == self._num_cached_free, (
+            f"{cached_free} cached free blocks, counted {self._num_cached_free}"
+        )

@@ -134,6 +134,12 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
             help="Most requests in one running batch (default 16).",
         ),
         click.option(
+            "--max-num-batched-tokens",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Token budget of one engine step: decodes plus prefill chunks (default 2048).",
+        ),
+        click.option(
             "--kv-connector",
             default=None,
             help="KV connector: 'kvtier' (shared tiered cache), 'null', or 'module:Class'.",
@@ -146,14 +152,27 @@ def engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--threads",
-            type=click.IntRange(min=1),
             default=None,
-            help="Torch CPU threads (default: all cores available to the process).",
+            callback=_parse_threads,
+            help="Torch CPU threads: a count, or 'auto' (the default: all cores, fewer while "
+            "other processes keep some busy).",
         ),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _parse_threads(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    if value is None or value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"{value!r} is neither 'auto' nor an integer >= 1")
+    return n
 
 
 _ENGINE_OPTION_NAMES = (
@@ -163,6 +182,7 @@ _ENGINE_OPTION_NAMES = (
     "kv_cache_memory",
     "max_model_len",
     "max_num_seqs",
+    "max_num_batched_tokens",
     "kv_connector",
     "kvtier_config",
     "threads",
@@ -191,6 +211,7 @@ def build_engine_config(opts: dict[str, Any], model_dir: Path | None = None) -> 
             "kv_cache_memory": opts["kv_cache_memory"],
             "max_model_len": opts["max_model_len"],
             "max_num_seqs": opts["max_num_seqs"],
+            "max_num_batched_tokens": opts["max_num_batched_tokens"],
             "kv_connector": opts["kv_connector"],
             "kv_connector_config": opts["kvtier_config"],
             "num_threads": opts["threads"],
@@ -367,6 +388,53 @@ def model_info(name_or_path: str) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
+
+
+@model.command("export-hf", context_settings=_CONTEXT)
+@click.argument("name_or_path")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="Weights dtype in model.safetensors.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace OUT_DIR (and all it holds) even when it holds another model "
+    "(an identical export is still left as it is).",
+)
+def model_export_hf(name_or_path: str, out_dir: Path, dtype: str, force: bool) -> None:
+    """Write a Hugging Face model directory (config, safetensors, tokenizer) to OUT_DIR.
+
+    The weights are the engine's own (a GGUF dequantized as the engine loads
+    it), so vLLM or transformers serving OUT_DIR run the same model. Running
+    it again for the same model and dtype does nothing; an older or damaged
+    export of the same file and dtype is replaced. Prints OUT_DIR.
+
+    \b
+    Example:
+      kvtier model export-hf smollm2 ~/.cache/kvtier/models/SmolLM2-135M-Instruct-hf
+    """
+    from kvtier.engine.models.hf_dir_export import export_hf_dir
+
+    try:
+        source = resolve_model(name_or_path)
+        with Stage(f"exporting {source.name}"):
+            result = export_hf_dir(source, out_dir, dtype=dtype, force=force)
+    except (ModelNotFoundError, EngineError) as e:
+        raise click.ClickException(str(e)) from None
+    if result.written:
+        click.echo(
+            f"wrote {result.num_tensors} tensors ({result.weights_bytes / 2**20:.1f} MiB "
+            f"{result.dtype}), config and tokenizer",
+            err=True,
+        )
+    else:
+        click.echo(f"{out_dir} already holds this export ({result.dtype}); nothing to do", err=True)
+    click.echo(str(result.path))
 
 
 # ---- kvtier generate ------------------------------------------------------------------------
@@ -554,6 +622,24 @@ def _chat_turn(
 # ---- kvtier engine serve --------------------------------------------------------------------
 
 
+def _api_key(value: str | None) -> str | None:
+    import os
+
+    from kvtier.engine.server.auth import check_api_key
+
+    if value is None:
+        if os.environ.get("KVTIER_API_KEY") == "":  # click reads an empty variable as unset
+            raise click.BadParameter(
+                "KVTIER_API_KEY is set but empty; unset it to serve without a key",
+                param_hint="$KVTIER_API_KEY",
+            )
+        return None
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--api-key / $KVTIER_API_KEY") from None
+
+
 @click.group("engine", context_settings=_CONTEXT)
 def engine() -> None:
     """Run the bundled engine as a service."""
@@ -583,6 +669,23 @@ def engine() -> None:
     show_default=True,
     help="Seconds a shutdown waits for in-flight requests before aborting them.",
 )
+@click.option(
+    "--api-key",
+    envvar="KVTIER_API_KEY",
+    show_envvar=True,
+    default=None,
+    help="Clients must send 'Authorization: Bearer KEY' (every route but /health and "
+    "/metrics). Prefer the environment variable: a flag shows in the process list.",
+)
+@click.option(
+    "--role",
+    type=click.Choice(["both", "prefill", "decode"]),
+    default="both",
+    show_default=True,
+    help="P/D disaggregation behind `kvtier router`: a prefill engine answers once the "
+    "prompt's KV is saved to the shared tier, a decode engine loads it (both need "
+    "--kv-connector kvtier on a shared tier; docs/router.md).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress messages on stderr.")
 def serve(**kwargs: Any) -> None:
     """Serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).
@@ -601,6 +704,11 @@ def serve(**kwargs: Any) -> None:
 
     opts = pop_engine_options(kwargs)
     config = build_engine_config(opts)
+    if kwargs["role"] != "both" and config.kv_connector in (None, "null"):
+        raise click.UsageError(
+            f"--role {kwargs['role']} needs a KV connector on a shared tier "
+            "(--kv-connector kvtier --kvtier-config FILE)"
+        )
     options = ServeOptions(
         host=kwargs["host"],
         port=kwargs["port"],
@@ -609,6 +717,8 @@ def serve(**kwargs: Any) -> None:
         or (opts["model"] if lookup_known(opts["model"]) else None),
         max_concurrent_requests=kwargs["max_concurrent_requests"],
         graceful_timeout_s=kwargs["shutdown_timeout"],
+        role=kwargs["role"],
+        api_key=_api_key(kwargs["api_key"]),
     )
     try:
         serve_forever(config, options, quiet=kwargs["quiet"])

@@ -11,6 +11,9 @@ from kvtier.engine.errors import EngineConfigError
 
 DType = Literal["auto", "bfloat16", "float32"]
 Device = Literal["auto", "cpu", "cuda"]
+AUTO_THREADS: Literal["auto"] = "auto"
+NumThreads = int | Literal["auto"] | None
+"""``num_threads``: a count, ``"auto"``, or ``None`` for the default (``"auto"``)."""
 
 DEFAULT_KV_CACHE_MEMORY = "512MiB"
 # NOTE: the default context cap keeps the KV budget meaningful on CPU; a
@@ -76,7 +79,9 @@ class EngineConfig:
         enable_prefix_caching: Reuse KV of identical full blocks across requests.
         kv_connector: Name of a registered KV connector (or ``module:Class``).
         kv_connector_config: Path to the connector's own config file.
-        num_threads: Torch CPU threads; default all cores.
+        num_threads: Torch CPU threads: a count, or ``"auto"`` (the default,
+            also for ``None``): all usable cores, fewer while other processes
+            keep some of them busy (``kvtier.engine.threads``).
         seed: Seed for requests that do not set their own.
     """
 
@@ -92,7 +97,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_connector: str | None = None
     kv_connector_config: str | None = None
-    num_threads: int | None = None
+    num_threads: NumThreads = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -127,7 +132,11 @@ class EngineConfig:
             raise EngineConfigError("kv_connector must be None or a non-empty name")
         if self.kv_connector_config is not None and not isinstance(self.kv_connector_config, str):
             raise EngineConfigError("kv_connector_config must be None or a path")
-        if self.num_threads is not None:
+        if self.num_threads is not None and self.num_threads != AUTO_THREADS:
+            if isinstance(self.num_threads, str):
+                raise EngineConfigError(
+                    f"num_threads must be 'auto' or an integer >= 1, got {self.num_threads!r}"
+                )
             _positive_int("num_threads", self.num_threads)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise EngineConfigError(f"seed must be an integer >= 0, got {self.seed!r}")

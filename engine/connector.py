@@ -4,46 +4,68 @@ Modelled on vLLM's ``KVConnectorBase_V1``, reduced to what a single-process
 engine needs. One connector object plays both roles:
 
 * scheduler side — ``get_num_new_matched_tokens`` (how many more prompt tokens
-  it can supply), ``update_state_after_alloc`` (blocks were allocated for
-  them), ``request_finished`` (the request ends; its blocks are still intact);
+  it can supply, and whether it loads them asynchronously),
+  ``update_state_after_alloc`` (blocks were allocated for them),
+  ``request_finished`` (the request ends; its blocks are still intact);
 * worker side — ``register_kv_caches`` (once, the paged cache and its layout),
-  ``start_load_kv`` / ``wait_for_load`` (before a step's forward pass) and
-  ``save_kv`` (after it).
+  ``start_load_kv``, then ``wait_for_load`` (synchronous loads, before the
+  same step's forward pass) or ``get_finished`` (asynchronous loads, polled
+  at the start of later steps), and ``save_kv`` (after a forward pass).
+
+A load is synchronous or asynchronous, as the connector says in
+``get_num_new_matched_tokens`` (vLLM's ``load_kv_async``)::
+
+    synchronous (n, False) or n:             asynchronous (n, True):
+    step k: admit R, start_load_kv,          step k:   admit R (LOADING: blocks held,
+            wait_for_load, R computes                  not scheduled), start_load_kv
+            the rest in this forward         step k+j: get_finished() reports R — its
+                                                       KV is in place — R joins the
+                                                       running batch and computes the rest
+                                             meanwhile every other request keeps stepping
 
 Order of calls in one engine step::
 
+    get_finished() -> LoadOutcome      # only while async loads are pending
     scheduler.schedule()
       └─ for each newly admitted request:
-           get_num_new_matched_tokens(req, num_g1_tokens) -> n
-           (blocks allocated for g1 + n + chunk)
+           get_num_new_matched_tokens(req, num_g1_tokens) -> n | (n, async)
+           (blocks allocated for the whole prompt)
            update_state_after_alloc(req, block_ids, n)
-    start_load_kv(LoadMetadata)        # only when some request has n > 0
-    wait_for_load() -> LoadOutcome     # engine recomputes what was not loaded
+    start_load_kv(LoadMetadata)        # when some request has n > 0 (both kinds)
+    wait_for_load() -> LoadOutcome     # synchronous ones; engine recomputes what was not loaded
     model forward (writes new KV into the paged cache)
     save_kv(SaveMetadata)              # must not block: copy/queue and return
-    ... request finishes or is aborted:
+    ... request finishes or is aborted (also while LOADING):
     request_finished(req, block_ids)   # before its blocks are freed
+
+When only LOADING requests are left the engine calls
+``wait_for_async_loads(timeout_s)`` instead of spinning.
 
 Contract:
 
 * Buffers: the engine owns ``kv_cache``; a connector writes into it only
-  inside ``start_load_kv``/``wait_for_load`` and only into the slots named in
-  ``LoadMetadata``; it reads from it in ``save_kv`` (copying out whatever it
-  keeps: the slots may be reused after the call returns).
+  inside ``wait_for_load`` / ``get_finished`` (on the step thread) and only
+  into the slots named in ``LoadMetadata``; it reads from it in ``save_kv``
+  and ``request_finished`` (copying out whatever it keeps: the slots may be
+  reused after the call returns). After ``request_finished`` it never writes
+  that request's slots again, even if a fetch for it completes later.
 * Metadata objects and the token/block lists inside them are read-only and
   valid only during the call.
 * Errors: a connector method may raise; the engine catches it, logs it,
   counts it, and degrades (a failed lookup matches 0 tokens, a failed load
   recomputes, a failed save is dropped). A cache failure never fails a request.
 * A miss is a value: ``get_num_new_matched_tokens`` returns 0.
-* ``wait_for_load`` must report every request of the last ``LoadMetadata``;
-  a request missing from the outcome counts as a failed load with 0 tokens.
+* ``wait_for_load`` must report every synchronous request of the last
+  ``LoadMetadata``; a request missing from the outcome counts as a failed
+  load with 0 tokens. Every asynchronous load must be reported by
+  ``get_finished`` once, within the connector's own deadline.
 * Threading: all methods are called from the engine's step thread.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
@@ -93,6 +115,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int
     num_tokens: int
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,7 +141,7 @@ class RequestLoadResult:
 
 @dataclass(frozen=True)
 class LoadOutcome:
-    """Per-request results of the last ``start_load_kv``."""
+    """Per-request results of loads (``wait_for_load`` or ``get_finished``)."""
 
     results: dict[str, RequestLoadResult] = field(default_factory=dict)
 
@@ -172,13 +195,17 @@ class KVConnector(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int:
+    ) -> int | tuple[int, bool]:
         """How many tokens beyond ``num_computed_tokens`` this connector can load.
 
-        Must be side-effect free (it may be called again for the same request)
-        and must leave at least one prompt token to compute: the result should
-        be at most ``len(request.all_token_ids) - 1 - num_computed_tokens``
-        (the engine clamps it too). Returns 0 on a miss.
+        Returns ``n`` or ``(n, load_async)``: with ``load_async`` the load is
+        asynchronous (reported by ``get_finished``, the request waits in
+        LOADING meanwhile); a plain ``n`` is a synchronous load. Must be
+        side-effect free (it may be called again for the same request, e.g.
+        while it waits for blocks) and must leave at least one prompt token to
+        compute: ``n`` should be at most
+        ``len(request.all_token_ids) - 1 - num_computed_tokens`` (the engine
+        clamps it too). Returns 0 on a miss.
         """
 
     def update_state_after_alloc(
@@ -203,7 +230,19 @@ class KVConnector(ABC):
 
     @abstractmethod
     def wait_for_load(self) -> LoadOutcome:
-        """Blocks until the loads of the last ``start_load_kv`` are done; reports each."""
+        """Blocks until the synchronous loads of the last ``start_load_kv`` are done; reports each."""
+
+    def get_finished(self) -> LoadOutcome:
+        """Asynchronous loads that ended since the last call, their KV in place (never blocks).
+
+        A load reported here is over: ``loaded_tokens`` leading tokens are
+        valid, the engine recomputes the rest.
+        """
+        return LoadOutcome()
+
+    def wait_for_async_loads(self, timeout_s: float) -> None:
+        """Blocks until an asynchronous load may have ended, or ``timeout_s`` passed."""
+        time.sleep(timeout_s)
 
     @abstractmethod
     def save_kv(self, metadata: SaveMetadata) -> None:
@@ -219,7 +258,7 @@ class NullConnector(KVConnector):
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int:
+    ) -> int | tuple[int, bool]:
         """Always a miss."""
         return 0
 

@@ -15,33 +15,41 @@ from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
 from kvtier.engine.connector import (
     KVConnector,
+    LoadOutcome,
     NullConnector,
+    RequestLoadResult,
     SaveMetadata,
     SaveSpec,
     make_connector,
 )
+from kvtier.engine.cpu_kernels import cpu_kernels
 from kvtier.engine.detokenizer import IncrementalDetokenizer
-from kvtier.engine.device import (
-    default_num_threads,
-    dtype_name,
-    resolve_device,
-    resolve_dtype,
-)
+from kvtier.engine.device import dtype_name, resolve_device, resolve_dtype
 from kvtier.engine.errors import EngineConfigError, EngineError, InvalidRequestError
 from kvtier.engine.kv_cache import KVCacheLayout, allocate_kv_cache, num_blocks_for_budget
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.models.config import ModelConfig
+from kvtier.engine.models.fused import fused_supported
 from kvtier.engine.models.loader import load_model
+from kvtier.engine.models.packed import pack_linears, packing_supported
 from kvtier.engine.models.rope import RotaryEmbedding
 from kvtier.engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
+from kvtier.engine.prompt import PreparedPrompt, prepare_prompt
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampler import SampleResult
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvtier.engine.threads import ThreadPolicy
 from kvtier.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Longest an engine with nothing to compute but loads in flight waits for one
+# of them before it returns from step() (new requests are picked up between steps).
+ASYNC_LOAD_POLL_S = 0.005
+# The shortest start-up (model load) over which "auto" threads decide before the first step.
+STARTUP_THREADS_WINDOW_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -50,15 +58,6 @@ class ScoreResult:
 
     start: int
     logits: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    """A validated, tokenized request, ready to be queued."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class LLMEngine:
@@ -87,8 +86,11 @@ class LLMEngine:
         self.metrics = metrics
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # On CPU the torch thread count follows config.num_threads ("auto": the cores other
+        # processes leave free, re-decided during steps; engine/threads.py).
+        self.threads = ThreadPolicy(config.num_threads)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads())
+            self.threads.start()
 
         loaded = load_model(config.model, self.dtype, self.device)
         cfg = loaded.config
@@ -104,6 +106,11 @@ class LLMEngine:
             loaded.model.rotary = RotaryEmbedding(cfg, self._max_model_len, self.dtype).to(
                 self.device
             )
+        kernels = cpu_kernels() if self.device.type == "cpu" else None
+        if packing_supported(self.device, self.dtype):
+            pack_linears(loaded.model)  # faster GEMV, identical outputs (models/packed.py)
+        if kernels is not None and fused_supported(loaded.model, self.device, self.dtype):
+            loaded.model.fused_kernels = kernels  # fewer, fused element-wise ops (models/fused.py)
         self._model = loaded.model
         self._model_config = cfg
         self._tokenizer = loaded.tokenizer
@@ -135,10 +142,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, self.connector, config.max_num_seqs, config.max_num_batched_tokens
         )
-        backend = TorchPagedAttention(self.kv_cache, cfg.num_heads)
+        backend = TorchPagedAttention(self.kv_cache, cfg.num_heads, kernels)
         self.runner = ModelRunner(self._model, backend, config.block_size, self.device)
         self._num_requests = 0
         self._stats = EngineStats(kv_blocks_total=num_blocks)
+        self.threads.tick(min_window_s=STARTUP_THREADS_WINDOW_S)  # decided over the start-up
 
     def _resolve_max_model_len(self, cfg: ModelConfig, kv_capacity: int) -> int:
         requested = self.config.max_model_len
@@ -197,42 +205,14 @@ class LLMEngine:
             InvalidRequestError: for a bad prompt, bad parameters or a request
                 that cannot fit in ``max_model_len``.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams", "params")
-        params.validate(self._model_config.vocab_size)
-        if isinstance(prompt, str):
-            ids = self._tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = list(prompt)
-            vocab = self._model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab):
-                    raise InvalidRequestError(
-                        f"prompt token ids must be integers in [0, {vocab}), got {t!r}", "prompt"
-                    )
-        else:
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        limit = self._max_model_len
-        if len(ids) > limit - 1:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; at most {limit - 1} fit "
-                f"(max_model_len {limit} leaves room for one generated token)",
-                "prompt",
-            )
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit}); lower max_tokens to at most {limit - len(ids)}",
-                "max_tokens",
-            )
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
-        return PreparedPrompt(request_id, ids, params)
+        return prepare_prompt(
+            self._tokenizer,
+            self._model_config.vocab_size,
+            self._max_model_len,
+            prompt,
+            params,
+            request_id,
+        )
 
     def add_request(
         self,
@@ -309,11 +289,23 @@ class LLMEngine:
         """
         if not self.scheduler.has_unfinished():
             return []
+        self.threads.tick()
+        t0 = time.perf_counter()
+        if self.scheduler.loading:
+            self._collect_async_loads()
         sched = self.scheduler.schedule()
-        if not sched.chunks:
-            raise EngineError("scheduler planned an empty step with requests pending")
+        t1 = time.perf_counter()
         self._load_external(sched)
+        if not sched.chunks:
+            if not self.scheduler.loading and not sched.async_loads:
+                raise EngineError("scheduler planned an empty step with requests pending")
+            if self.scheduler.loading:
+                self._wait_for_async_loads()  # only fetches in flight: wait, do not spin
+            self._update_metrics()
+            return []
+        t2 = time.perf_counter()
         sampled = self.runner.execute(sched.chunks)
+        t3 = time.perf_counter()
         self.scheduler.update_after_step(sched)
         self._count_prompt_tokens(sched)
         if self._saves_wanted:
@@ -326,6 +318,15 @@ class LLMEngine:
             outputs.append(self._make_output(req))
         self._stats.num_steps += 1
         self._update_metrics()
+        if self.metrics is not None:
+            decodes = sum(1 for c in sched.chunks if c.num_tokens == 1)
+            phases = {
+                "schedule": t1 - t0,
+                "load": t2 - t1,
+                "forward": t3 - t2,
+                "finish": time.perf_counter() - t3,
+            }
+            self.metrics.observe_step(phases, sched.num_batched_tokens - decodes, decodes)
         return outputs
 
     def _load_external(self, sched: SchedulerOutput) -> None:
@@ -334,11 +335,38 @@ class LLMEngine:
             return
         try:
             self.connector.start_load_kv(meta)
+        except Exception:  # a cache failure is never a request failure
+            logger.exception("kv connector start_load_kv failed; recomputing")
+            self.scheduler.counters.connector_errors += 1
+            failed = {s.request_id: RequestLoadResult(0, failed=True) for s in sched.async_loads}
+            self.scheduler.apply_async_outcome(LoadOutcome(failed))
+            self.scheduler.apply_load_outcome(sched, None)
+            return
+        if not any(c.num_external for c in sched.chunks):
+            return  # only asynchronous loads: get_finished reports them in later steps
+        try:
             outcome = self.connector.wait_for_load()
         except Exception:  # a cache failure is never a request failure
             logger.exception("kv connector load failed; recomputing")
             outcome = None
         self.scheduler.apply_load_outcome(sched, outcome)
+
+    def _collect_async_loads(self) -> None:
+        try:
+            outcome = self.connector.get_finished()
+        except Exception:  # the loads stay pending; the connector's deadline ends them
+            logger.exception("kv connector get_finished failed")
+            self.scheduler.counters.connector_errors += 1
+            return
+        self.scheduler.apply_async_outcome(outcome)
+
+    def _wait_for_async_loads(self) -> None:
+        try:
+            self.connector.wait_for_async_loads(ASYNC_LOAD_POLL_S)
+        except Exception:
+            logger.exception("kv connector wait_for_async_loads failed")
+            self.scheduler.counters.connector_errors += 1
+            time.sleep(ASYNC_LOAD_POLL_S)
 
     def _count_prompt_tokens(self, sched: SchedulerOutput) -> None:
         for c in sched.chunks:
@@ -516,6 +544,7 @@ class LLMEngine:
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
+            num_loading=len(self.scheduler.loading),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_cached_free=bm.num_cached_free_blocks,

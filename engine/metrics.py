@@ -8,6 +8,11 @@ from kvtier.engine.outputs import EngineStats
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Where an engine step's time goes (``LLMEngine.step``), and, in the engine-core
+# process, the loop around it.
+STEP_PHASES = ("schedule", "load", "forward", "finish")
+CORE_PARTS = ("commands", "publish")
 
 # EngineStats counter field -> (metric name, help)
 _COUNTERS = {
@@ -67,12 +72,38 @@ class EngineMetrics:
         self.running = Gauge(
             "kvtier_engine_requests_running", "Requests in the running batch", registry=registry
         )
+        self.loading = Gauge(
+            "kvtier_engine_requests_loading",
+            "Requests waiting for their external KV (asynchronous connector loads)",
+            registry=registry,
+        )
         self.kv_blocks_used = Gauge(
             "kvtier_engine_kv_blocks_used", "KV blocks referenced by requests", registry=registry
         )
         self.kv_blocks_total = Gauge(
             "kvtier_engine_kv_blocks_total", "KV blocks in the cache", registry=registry
         )
+        self.step_duration = Histogram(
+            "kvtier_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, load, forward, finish)",
+            buckets=_STEP_BUCKETS,
+            registry=registry,
+        )
+        self.step_batch_tokens = Counter(
+            "kvtier_engine_step_tokens",
+            "Tokens computed by engine steps, by kind (prefill or decode)",
+            ["kind"],
+            registry=registry,
+        )
+        self.step_phase = Counter(
+            "kvtier_engine_step_phase_seconds",
+            "Time spent in each phase of engine steps; in the engine-core process also "
+            "draining commands and publishing outputs",
+            ["phase"],
+            registry=registry,
+        )
+        self._phases = {p: self.step_phase.labels(p) for p in (*STEP_PHASES, *CORE_PARTS)}
+        self._kinds = {k: self.step_batch_tokens.labels(k) for k in ("prefill", "decode")}
         self._counters = {
             field: Counter(name, doc, registry=registry) for field, (name, doc) in _COUNTERS.items()
         }
@@ -86,10 +117,27 @@ class EngineMetrics:
         """Records one inter-token latency."""
         self.itl.observe(seconds)
 
+    def observe_step(
+        self, phases: dict[str, float], prefill_tokens: int, decode_tokens: int
+    ) -> None:
+        """Records one step: seconds per phase (``STEP_PHASES``) and tokens computed."""
+        self.step_duration.observe(sum(phases.values()))
+        for phase, seconds in phases.items():
+            self._phases[phase].inc(seconds)
+        if prefill_tokens:
+            self._kinds["prefill"].inc(prefill_tokens)
+        if decode_tokens:
+            self._kinds["decode"].inc(decode_tokens)
+
+    def observe_core(self, part: str, seconds: float) -> None:
+        """Records time the engine-core loop spent outside steps (``CORE_PARTS``)."""
+        self._phases[part].inc(seconds)
+
     def update(self, stats: EngineStats) -> None:
         """Sets gauges and advances counters to the engine's cumulative ``stats``."""
         self.waiting.set(stats.num_waiting)
         self.running.set(stats.num_running)
+        self.loading.set(stats.num_loading)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         for field, counter in self._counters.items():

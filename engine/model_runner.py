@@ -100,15 +100,18 @@ class ModelRunner:
                 table[i, :used] = c.request.block_ids[:used]
             meta.decode_block_table = torch.from_numpy(table).to(dev)
             lens = torch.tensor(ctx, device=dev)
+            meta.decode_lens = lens if dev.type == "cpu" else None
             meta.decode_mask = (torch.arange(nb * bs, device=dev)[None, :] < lens[:, None]).view(
                 len(decodes), 1, 1, nb * bs
             )
         q_start = len(decodes)
+        in_place = getattr(self.backend, "prefill_in_place", False)
         for c in prefills:
             span = PrefillSpan(q_start=q_start, q_len=c.num_tokens, prefix_len=c.compute_start)
-            if c.compute_start > 0:
+            if c.compute_start > 0 or in_place:
                 used = -(-(c.compute_start + c.num_tokens) // bs)
                 span.block_ids = torch.tensor(c.request.block_ids[:used], device=dev)
+            if c.compute_start > 0 and not in_place:
                 span.tiles = build_prefill_tiles(
                     c.compute_start, c.num_tokens, self.prefill_tile, dev
                 )

@@ -62,6 +62,7 @@ class EngineStats:
 
     num_waiting: int = 0
     num_running: int = 0
+    num_loading: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_cached_free: int = 0

@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its lifecycle."""
 
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, blocks allocated, its external KV being fetched
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -10,7 +10,12 @@ One ``schedule()`` call plans one engine step under a token budget
 2. If nothing was preempted, waiting requests are admitted strictly in FIFO
    order (a head that does not fit blocks the queue: no overtaking). For
    each: G1 prefix-cache hit, then the connector's external match, then
-   a prefill chunk within the remaining budget.
+   a prefill chunk within the remaining budget. A request is admitted only
+   when blocks for its whole prompt are free, and takes them all at once.
+   A request whose external KV loads asynchronously is admitted into
+   LOADING instead (blocks held, no tokens this step); when the connector
+   reports its load over (``apply_async_outcome``, at the start of a later
+   step) it joins the running batch with what was loaded.
 
 Token ranges of an admitted request in its first step::
 
@@ -71,6 +76,7 @@ class SchedulerOutput:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    async_loads: list[LoadSpec] = field(default_factory=list)  # admitted into LOADING
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,6 +127,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # admitted requests whose external KV is being fetched asynchronously:
+        # request id -> (request, tokens being loaded)
+        self.loading: dict[str, tuple[Request, int]] = {}
         self.counters = SchedulerCounters()
 
     # ---- queues ---------------------------------------------------------------
@@ -132,7 +141,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def find(self, request_id: str) -> Request | None:
         """The unfinished request with this id, if any."""
@@ -142,7 +151,8 @@ class Scheduler:
         for r in self.waiting:
             if r.request_id == request_id:
                 return r
-        return None
+        entry = self.loading.get(request_id)
+        return entry[0] if entry is not None else None
 
     # ---- planning ---------------------------------------------------------------
 
@@ -176,29 +186,39 @@ class Scheduler:
             self.waiting
             and budget > 0
             and not out.preempted
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            chunk = self._try_admit(req, budget)
-            if chunk is None:
+            admitted = self._try_admit(req, budget)
+            if admitted is None:
                 break
             self.waiting.popleft()
+            if isinstance(admitted, LoadSpec):  # fetched in the background; no tokens now
+                req.status = RequestStatus.LOADING
+                self.loading[req.request_id] = (req, admitted.num_tokens)
+                out.async_loads.append(admitted)
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(chunk)
-            budget -= chunk.num_tokens
+            out.chunks.append(admitted)
+            budget -= admitted.num_tokens
         return out
 
-    def _try_admit(self, req: Request, budget: int) -> ScheduledChunk | None:
+    def _try_admit(self, req: Request, budget: int) -> ScheduledChunk | LoadSpec | None:
         bm = self.block_manager
         total = req.num_tokens
         hits = bm.find_cached_prefix(req)
         num_g1 = len(hits) * bm.block_size
-        num_ext = self._external_match(req, num_g1)
+        num_ext, load_async = self._external_match(req, num_g1)
         num_new = min(total - num_g1 - num_ext, budget)
-        if not bm.can_allocate(hits, num_g1 + num_ext + num_new):
+        # NOTE: blocks for the whole prompt are taken at admission, not for the
+        # first chunk only: a request admitted on its first chunk's blocks can
+        # find the rest taken by later admissions and be preempted mid-prefill,
+        # and with a small cache requests then preempt each other in turn,
+        # recomputing their prompts again and again (docs/engine.md, "Serving").
+        if not bm.can_allocate(hits, total):
             return None
-        bm.allocate(req, hits, num_g1 + num_ext + num_new)
+        bm.allocate(req, hits, total)
         req.num_computed_tokens = num_g1
         bm.record_lookup(total, num_g1)
         if req.num_cached_tokens is None:
@@ -210,18 +230,30 @@ class Scheduler:
         except Exception:  # a connector failure must not fail the request
             logger.exception("kv connector update_state_after_alloc failed")
             self.counters.connector_errors += 1
+        if load_async and num_ext > 0:
+            return LoadSpec(
+                request_id=req.request_id,
+                token_ids=req.token_ids,
+                block_ids=req.block_ids,
+                start=num_g1,
+                num_tokens=num_ext,
+                asynchronous=True,
+            )
         return ScheduledChunk(req, num_g1, num_ext, num_new)
 
-    def _external_match(self, req: Request, num_g1: int) -> int:
+    def _external_match(self, req: Request, num_g1: int) -> tuple[int, bool]:
+        """The connector's match, clamped; ``(tokens, load asynchronously)``."""
         try:
-            n = int(self.connector.get_num_new_matched_tokens(connector_view(req), num_g1))
+            answer = self.connector.get_num_new_matched_tokens(connector_view(req), num_g1)
+            n, load_async = answer if isinstance(answer, tuple) else (answer, False)
+            n = int(n)
         except Exception:  # a lookup failure is a miss, counted
             logger.exception("kv connector get_num_new_matched_tokens failed")
             self.counters.connector_errors += 1
             self.counters.load_failures += 1
-            return 0
+            return 0, False
         # NOTE: the last token is always computed: its logits give the next token.
-        return max(0, min(n, req.num_tokens - 1 - num_g1))
+        return max(0, min(n, req.num_tokens - 1 - num_g1)), bool(load_async)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -235,8 +267,9 @@ class Scheduler:
 
     @staticmethod
     def load_metadata(out: SchedulerOutput) -> LoadMetadata | None:
-        """What the connector must load before this step's forward pass (None if nothing)."""
-        specs = [
+        """Loads to start this step: synchronous ones (needed before this step's
+        forward pass) and asynchronous ones (None if nothing)."""
+        specs = [*out.async_loads] + [
             LoadSpec(
                 request_id=c.request.request_id,
                 token_ids=c.request.token_ids,
@@ -267,6 +300,34 @@ class Scheduler:
             c.request.num_external_tokens += loaded
             c.num_external = loaded
 
+    def apply_async_outcome(self, outcome: LoadOutcome) -> list[Request]:
+        """Moves LOADING requests whose load ended into the running batch.
+
+        Each keeps what was loaded (``num_computed_tokens`` advances, the
+        loaded full blocks join the prefix cache) and computes the rest.
+
+        Returns:
+            The requests that joined the running batch.
+        """
+        joined = []
+        for rid, result in outcome.results.items():
+            entry = self.loading.pop(rid, None)
+            if entry is None:
+                continue  # finished or aborted while its fetch ran
+            req, wanted = entry
+            loaded = max(0, min(int(result.loaded_tokens), wanted))
+            if result.failed or loaded < wanted:
+                self.counters.load_failures += 1
+                self.counters.recomputed_after_load_failure_tokens += wanted - loaded
+            self.counters.external_loaded_tokens += loaded
+            req.num_external_tokens += loaded
+            req.num_computed_tokens += loaded
+            self.block_manager.cache_blocks(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            joined.append(req)
+        return joined
+
     # ---- after the forward pass ---------------------------------------------------------
 
     def update_after_step(self, out: SchedulerOutput) -> None:
@@ -282,6 +343,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.LOADING:
+            self.loading.pop(req.request_id, None)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         try:

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.engine.errors import ModelLoadError
 from kvtier.engine.models.config import ModelConfig, model_config_from_gguf
-from kvtier.engine.models.fingerprint import TensorDigest, fingerprint
+from kvtier.engine.models.fingerprint import Fingerprint, RawTensor, weights_fingerprint
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # GGUF per-layer tensor name -> (engine parameter suffix, fused part)
@@ -90,6 +90,8 @@ class GGUFFile:
                 continue
             self.meta[key] = f.contents()
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self.fingerprint_info: Fingerprint | None = None
+        """How the fingerprint was obtained (bytes, seconds, cached), once computed."""
 
     @property
     def tensor_names(self) -> list[str]:
@@ -147,10 +149,14 @@ class GGUFFile:
             yield mapped[0], mapped[1], torch.from_numpy(arr)
 
     def fingerprint(self) -> str:
-        """Fingerprint over the stored (quantized) tensors."""
-        items = []
+        """Fingerprint over every byte of the stored (quantized) tensors (``fingerprint.py``)."""
+        if self.fingerprint_info is None:
+            self.fingerprint_info = weights_fingerprint(
+                [self.path], self._raw_tensors, label=self.path.name
+            )
+        return self.fingerprint_info.digest
+
+    def _raw_tensors(self) -> Iterator[RawTensor]:
         for t in self._tensors.values():
             raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-            shape = tuple(int(d) for d in reversed(t.shape))
-            items.append(TensorDigest.of(t.name, t.tensor_type.name, shape, raw))
-        return fingerprint(items)
+            yield t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), raw

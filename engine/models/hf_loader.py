@@ -12,7 +12,12 @@ import torch
 
 from kvtier.engine.errors import ModelLoadError
 from kvtier.engine.models.config import ModelConfig, model_config_from_hf
-from kvtier.engine.models.fingerprint import TensorDigest, fingerprint
+from kvtier.engine.models.fingerprint import (
+    Fingerprint,
+    FingerprintJob,
+    RawTensor,
+    weights_fingerprint,
+)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_MAP: dict[str, tuple[str, str | None]] = {
@@ -88,7 +93,8 @@ class HFModelDir:
         for f in self.files:
             if not f.is_file():
                 raise ModelLoadError(f"weight shard missing: {f}")
-        self._fingerprint: str | None = None
+        self.fingerprint_info: Fingerprint | None = None
+        """How the fingerprint was obtained (bytes, seconds, cached), once computed."""
 
     def model_config(self) -> ModelConfig:
         """The model's ``ModelConfig``."""
@@ -108,15 +114,17 @@ class HFModelDir:
     def iter_weights(self, config: ModelConfig) -> Iterator[tuple[str, str | None, torch.Tensor]]:
         """Yields ``(engine name, fused part, tensor)`` for every weight.
 
-        The fingerprint is computed on the way (one read of the files); it is
-        available from ``fingerprint()`` once the iterator is exhausted.
+        The fingerprint is computed on the way (one read of the files) unless
+        the fingerprint cache knows these files; it is available from
+        ``fingerprint()`` once the iterator is exhausted.
 
         Raises:
             ModelLoadError: for a tensor this engine does not know.
         """
-        digests: list[TensorDigest] = []
+        job = None if self.fingerprint_info else FingerprintJob(self.files, label=self.path.name)
         for name, t in self._iter_raw():
-            digests.append(_digest(name, t))
+            if job is not None and job.needed:
+                job.add(*_raw(name, t))
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -125,15 +133,21 @@ class HFModelDir:
             if mapped is None:
                 raise ModelLoadError(f"{self.path}: unexpected tensor {name}")
             yield mapped[0], mapped[1], t
-        self._fingerprint = fingerprint(digests)
+        if job is not None:
+            self.fingerprint_info = job.finish()
 
     def fingerprint(self) -> str:
-        """Fingerprint over the stored tensors (reads them unless ``iter_weights`` ran)."""
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint(_digest(n, t) for n, t in self._iter_raw())
-        return self._fingerprint
+        """Fingerprint over every byte of the stored tensors (``fingerprint.py``); reads them
+        unless ``iter_weights`` ran or the fingerprint cache knows these files."""
+        if self.fingerprint_info is None:
+            self.fingerprint_info = weights_fingerprint(
+                self.files,
+                lambda: (_raw(n, t) for n, t in self._iter_raw()),
+                label=self.path.name,
+            )
+        return self.fingerprint_info.digest
 
 
-def _digest(name: str, t: torch.Tensor) -> TensorDigest:
+def _raw(name: str, t: torch.Tensor) -> RawTensor:
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    return TensorDigest.of(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+    return name, str(t.dtype).removeprefix("torch."), tuple(t.shape), raw

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.engine.models.config import ModelConfig
+from kvtier.engine.models.fused import fused_forward
 from kvtier.engine.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
     from kvtier.engine.attention import AttentionBackend, AttentionMetadata
+    from kvtier.engine.cpu_kernels import CpuKernels
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +136,10 @@ class DecoderModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(config, max_positions, dtype)
+        # set by models.packed.pack_linears (oneDNN-packed LM head); not a submodule
+        self.packed_logits: nn.Module | None = None
+        # set by the engine when the fused CPU kernels compute this model (models/fused.py)
+        self.fused_kernels: CpuKernels | None = None
 
     def forward(
         self,
@@ -153,6 +159,8 @@ class DecoderModel(nn.Module):
         Returns:
             ``[T, hidden]`` final hidden states (after the last norm).
         """
+        if self.fused_kernels is not None:
+            return fused_forward(self, self.fused_kernels, input_ids, positions, backend, meta)
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         for layer in self.layers:
@@ -161,5 +169,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        if self.packed_logits is not None:  # see models/packed.py
+            return self.packed_logits(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

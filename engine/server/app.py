@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is an
-OpenAI-style JSON body (see ``errors.py``). The app does not own the engine:
-whoever created the engine starts and shuts it down (``runner.py``).
+OpenAI-style JSON body (see ``errors.py``). With an API key, every route but
+``/health`` and ``/metrics`` needs it (``auth.py``). The app does not own the
+engine: whoever created the engine starts and shuts it down (``runner.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvtier.engine.server.auth import RequireApiKey, check_api_key
 from kvtier.engine.server.chat import create_chat_completion
 from kvtier.engine.server.completions import create_completion
 from kvtier.engine.server.errors import (
@@ -27,6 +29,7 @@ from kvtier.engine.server.errors import (
     handle_validation_error,
 )
 from kvtier.engine.server.generation import EngineClient
+from kvtier.engine.server.kv_events import read_kv_events
 from kvtier.engine.server.metrics import ServerMetrics
 from kvtier.engine.server.protocol import ModelCard, ModelList
 from kvtier.engine.server.state import ServerLimits, ServerState, engine_alive
@@ -92,6 +95,8 @@ def create_app(
     registries: Sequence[CollectorRegistry] = (),
     limits: ServerLimits | None = None,
     server_registry: CollectorRegistry | None = None,
+    role: str = "both",
+    api_key: str | None = None,
 ) -> FastAPI:
     """Builds the app around a started engine.
 
@@ -103,7 +108,15 @@ def create_app(
         limits: Request bounds.
         server_registry: Where the server's own HTTP metrics go (default: a
             new registry, also exposed on ``/metrics``).
+        role: ``both``, ``prefill`` or ``decode`` (P/D disaggregation); ``/health`` reports it.
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (all
+            routes but ``/health`` and ``/metrics``); ``None``: no key needed.
+
+    Raises:
+        ValueError: an empty API key, or one an HTTP header cannot carry.
     """
+    if api_key is not None:
+        check_api_key(api_key)  # now, not at the first request (middleware is built lazily)
     own = server_registry or CollectorRegistry()
     state = ServerState(
         engine=engine,
@@ -111,6 +124,7 @@ def create_app(
         registries=[*registries, own],
         metrics=ServerMetrics(own),
         limits=limits or ServerLimits(),
+        role=role,
     )
     app = FastAPI(
         title="kvtier engine",
@@ -127,6 +141,9 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
     app.add_exception_handler(Exception, _internal_error)
 
+    if api_key is not None:
+        # NOTE: added before _CountRequests, so it runs inside it: refusals are counted.
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(_CountRequests, metrics=state.metrics)
 
     @app.post("/v1/completions", summary="Text completion (OpenAI-compatible)")
@@ -153,7 +170,14 @@ def create_app(
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         if not engine_alive(engine):
             return JSONResponse({"status": "engine_stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        # a P/D role is named; a plain engine ("both") answers as it always did
+        return JSONResponse(
+            {"status": "ok", **({"role": state.role} if state.role != "both" else {})}
+        )
+
+    @app.get("/kv_events", summary="KV events: prefixes stored, evicted, saved (docs/router.md)")
+    async def kv_events(request: Request) -> Response:
+        return await read_kv_events(request, engine)
 
     @app.get("/metrics", summary="Prometheus metrics: engine, KV connector, HTTP")
     async def metrics() -> Response:
@@ -162,6 +186,9 @@ def create_app(
         if extra is not None and extra not in regs:
             regs.append(extra)
         text = b"".join(generate_latest(r) for r in regs)
+        engine_text = getattr(engine, "metrics_text", None)
+        if engine_text is not None:  # an engine in another process: ask it
+            text += await engine_text()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

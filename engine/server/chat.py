@@ -84,7 +84,8 @@ class _ChatStream:
 
     The first chunk carries ``delta.role = "assistant"``; the last carries
     ``finish_reason``; with ``stream_options.include_usage`` a final chunk
-    with no choices carries ``usage``.
+    with no choices carries ``usage``; with ``continuous_usage_stats`` every
+    chunk carries the usage so far.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class _ChatStream:
         self.sent_role = False
         self.sent_logprobs = 0
         self.last: RequestOutput | None = None
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: Usage | None = None
@@ -108,12 +110,14 @@ class _ChatStream:
 
     def render(self, index: int, out: RequestOutput) -> Iterable[BaseModel]:
         self.last = out
+        usage = usage_of([out]) if self.continuous else None
         events: list[BaseModel] = []
         if not self.sent_role:
             self.sent_role = True
             events.append(
                 self._chunk(
-                    [ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]
+                    [ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))],
+                    usage,
                 )
             )
         logprobs: ChatLogprobs | None = None
@@ -132,7 +136,8 @@ class _ChatStream:
                             logprobs=logprobs,
                             finish_reason=out.finish_reason if out.finished else None,
                         )
-                    ]
+                    ],
+                    usage,
                 )
             )
         return events

@@ -15,7 +15,12 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.server.body import parse_body, read_body
 from kvtier.engine.server.generation import Generation
 from kvtier.engine.server.inputs import check_model, completion_inputs
-from kvtier.engine.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from kvtier.engine.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from kvtier.engine.server.responses import completion_logprobs, usage_of
 from kvtier.engine.server.state import ServerState
 from kvtier.engine.server.streaming import collect_unless_disconnected, start_stream
@@ -71,7 +76,12 @@ def _choice(
 
 
 class _CompletionStream:
-    """Turns engine outputs into ``text_completion`` chunks."""
+    """Turns engine outputs into ``text_completion`` chunks.
+
+    With ``stream_options.include_usage`` a final chunk with no choices
+    carries the usage of every prompt; with ``continuous_usage_stats`` each
+    chunk carries the usage of its choice so far.
+    """
 
     def __init__(
         self, state: ServerState, req: CompletionRequest, rid: str, created: int, n: int
@@ -85,8 +95,11 @@ class _CompletionStream:
         # characters of the tokens whose logprobs were sent (text_offset of the next one)
         self.token_chars = [0] * n
         self.last: list[RequestOutput | None] = [None] * n
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-    def _chunk(self, choices: list[CompletionChoice], usage: object = None) -> CompletionResponse:
+    def _chunk(
+        self, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> CompletionResponse:
         return CompletionResponse(
             id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -110,7 +123,8 @@ class _CompletionStream:
             logprobs=logprobs,
             finish_reason=out.finish_reason if out.finished else None,
         )
-        return [self._chunk([choice])]
+        # continuous usage: this choice's (its prompt, its tokens so far), as vLLM reports it
+        return [self._chunk([choice], usage_of([out]) if self.continuous else None)]
 
     def tail(self) -> Iterable[BaseModel]:
         options = self.req.stream_options

@@ -26,7 +26,13 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+    """``stream_options`` (only with ``stream``).
+
+    ``include_usage``: a final chunk with no choices carries the request's
+    ``usage``. ``continuous_usage_stats``: every chunk with a choice carries
+    the usage of that choice so far (its prompt, the tokens generated until
+    then), as in vLLM — which needs ``include_usage`` too; here it works alone.
+    """
 
     include_usage: bool = False
     continuous_usage_stats: bool = False

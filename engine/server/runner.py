@@ -16,14 +16,13 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
 
 import click
 import uvicorn
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.server.app import create_app
@@ -41,6 +40,10 @@ class ServeOptions:
         max_concurrent_requests: In-flight generation requests beyond which the server answers 429.
         graceful_timeout_s: How long shutdown waits for in-flight requests.
         log_level: uvicorn's log level.
+        role: ``both``; ``prefill`` (a request's final answer waits until its KV
+            saves reached the connector's store) or ``decode`` under P/D disaggregation.
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (all
+            routes but ``/health`` and ``/metrics``); ``None``: no key needed.
     """
 
     host: str = "127.0.0.1"
@@ -49,15 +52,20 @@ class ServeOptions:
     max_concurrent_requests: int = 256
     graceful_timeout_s: float = 30.0
     log_level: str = "warning"
+    role: str = "both"
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.graceful_timeout_s < 0:
             raise ValueError("graceful_timeout_s must be >= 0")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ROLES = ("both", "prefill", "decode")
 
 
 class _Server(uvicorn.Server):
@@ -92,8 +100,13 @@ class _Server(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto must say TCP: asyncio sets TCP_NODELAY only on sockets whose
+    # proto is IPPROTO_TCP, and accepted sockets inherit the listener's (0 by
+    # default). Without it Nagle's algorithm holds each small SSE event until
+    # the client's delayed ACK: streamed tokens arrived up to ~40 ms late.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -115,12 +128,17 @@ def _uvicorn_config(app: FastAPI, options: ServeOptions) -> uvicorn.Config:
     )
 
 
-def build_engine(config: EngineConfig, registry: CollectorRegistry) -> Any:
-    """Creates the ``AsyncLLMEngine`` with its metrics in ``registry`` (not yet started)."""
-    from kvtier.engine import AsyncLLMEngine
-    from kvtier.engine.metrics import EngineMetrics
+def build_engine(config: EngineConfig, role: str = "both") -> Any:
+    """Starts a ``ProcessEngine``: the engine core in its own process, model loaded.
 
-    return AsyncLLMEngine(config, metrics=EngineMetrics(registry))
+    A ``prefill`` engine holds each final answer until its KV saves reached the store.
+
+    Raises:
+        EngineError: if the engine cannot start.
+    """
+    from kvtier.engine.process_engine import ProcessEngine
+
+    return ProcessEngine(config, flush_saves_on_finish=role == "prefill").start()
 
 
 def serve_forever(config: EngineConfig, options: ServeOptions, *, quiet: bool = False) -> None:
@@ -135,24 +153,24 @@ def serve_forever(config: EngineConfig, options: ServeOptions, *, quiet: bool = 
     from kvtier.engine.cli import Stage
 
     sock = _bind(options.host, options.port)
-    registry = CollectorRegistry()
     try:
         with Stage(f"loading {Path(config.model).name}", enabled=not quiet):
-            engine = build_engine(config, registry)
-        engine.start()
+            engine = build_engine(config, options.role)
         try:
             app = create_app(
                 engine,
                 served_model_name=options.served_model_name,
-                registries=[registry],
                 limits=ServerLimits(max_concurrent_requests=options.max_concurrent_requests),
+                api_key=options.api_key,
+                role=options.role,
             )
             state: ServerState = app.state.kvtier
             host, port = sock.getsockname()[:2]
             if not quiet:
+                key = "API key required" if options.api_key is not None else "no API key"
                 click.echo(
                     f"serving {state.served_model_name!r} on http://{host}:{port} "
-                    f"(OpenAI API under /v1; /health, /metrics); Ctrl-C or SIGTERM stops",
+                    f"(OpenAI API under /v1, {key}; /health, /metrics); Ctrl-C or SIGTERM stops",
                     err=True,
                 )
             server = _Server(_uvicorn_config(app, options), state)

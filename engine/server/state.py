@@ -52,6 +52,8 @@ class ServerState:
         created: Unix time the server started (``/v1/models``).
         shutting_down: Set when a shutdown begins; new requests get 503.
         in_flight: Generation requests being served.
+        role: ``both``, or ``prefill``/``decode`` under P/D disaggregation
+            (``/health`` says which; ``docs/router.md``).
     """
 
     engine: EngineClient
@@ -62,6 +64,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     in_flight: int = 0
+    role: str = "both"
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -6,7 +6,9 @@ back on ``start_load_kv``, exactly through the contract a real connector
 ``mode`` injects failures: ``"raise"`` (load raises), ``"partial"`` (loads
 half, reports failure, and scribbles garbage over the rest so that anything
 not recomputed would corrupt the output), ``"silent"`` (reports nothing),
-``"lookup-raises"``.
+``"lookup-raises"``. With ``asynchronous`` the loads are asynchronous: each
+is placed and reported by the ``hold``-th ``get_finished`` call after it
+started (``"silent"`` then reports it as a failure, as a deadline would).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class InMemoryConnector(KVConnector):
         store: dict[bytes, torch.Tensor] | None = None,
         chunk: int = 8,
         mode: str = "ok",
+        asynchronous: bool = False,
+        hold: int = 1,
     ) -> None:
         super().__init__(config_path)
         self.store: dict[bytes, torch.Tensor] = {} if store is None else store
@@ -67,11 +71,15 @@ class InMemoryConnector(KVConnector):
         self.saved_specs: list = []
         self.finished_blocks: dict[str, list[int]] = {}
         self.engine_block_refs: object | None = None  # set by tests to inspect refcounts
+        self.asynchronous = asynchronous
+        self.hold = hold
+        self.pending: dict[str, list] = {}  # request id -> [spec, get_finished calls left]
+        self.waits = 0
 
     # scheduler side
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int:
+    ) -> int | tuple[int, bool]:
         self.calls.log.append(("match", request.request_id))
         if self.mode == "lookup-raises":
             raise RuntimeError("lookup backend down")
@@ -80,8 +88,8 @@ class InMemoryConnector(KVConnector):
             if key not in self.store:
                 break
             n += self.chunk
-        n = min(n, len(request.all_token_ids) - 1)
-        return max(0, n - num_computed_tokens)
+        n = max(0, min(n, len(request.all_token_ids) - 1) - num_computed_tokens)
+        return (n, True) if self.asynchronous and n > 0 else n
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
         self.calls.log.append(("alloc", request.request_id))
@@ -89,6 +97,7 @@ class InMemoryConnector(KVConnector):
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         self.calls.log.append(("finished", request.request_id))
         self.finished_blocks[request.request_id] = list(block_ids)
+        self.pending.pop(request.request_id, None)  # never written after this
         if callable(self.engine_block_refs):
             self.finished_refcounts = self.engine_block_refs(block_ids)
 
@@ -113,26 +122,50 @@ class InMemoryConnector(KVConnector):
         if self.mode == "raise":
             raise OSError("simulated tier failure")
         results = {}
-        flat = self._flat()
         for spec in metadata.requests:
-            keys = chunk_keys(spec.token_ids, self.chunk)
-            todo = spec.num_tokens if self.mode != "partial" else spec.num_tokens // 2
-            end = spec.start + todo
-            for pos in range(spec.start, end):
-                data = self.store[keys[pos // self.chunk]]  # [L, 2, chunk, H, D]
-                slot = self._slots(spec.block_ids, range(pos, pos + 1))
-                flat[:, :, slot] = data[:, :, pos % self.chunk : pos % self.chunk + 1]
-            if self.mode == "partial":
-                rest = self._slots(spec.block_ids, range(end, spec.start + spec.num_tokens))
-                flat[:, :, rest] = 1e4  # garbage: must be recomputed by the engine
-                results[spec.request_id] = RequestLoadResult(loaded_tokens=todo, failed=True)
-            elif self.mode != "silent":
-                results[spec.request_id] = RequestLoadResult(loaded_tokens=spec.num_tokens)
+            if spec.asynchronous:
+                self.pending[spec.request_id] = [spec, self.hold]
+                continue
+            result = self._place(spec)
+            if result is not None:
+                results[spec.request_id] = result
         self._outcome = LoadOutcome(results)
+
+    def _place(self, spec) -> RequestLoadResult | None:
+        flat = self._flat()
+        keys = chunk_keys(spec.token_ids, self.chunk)
+        todo = spec.num_tokens if self.mode != "partial" else spec.num_tokens // 2
+        end = spec.start + todo
+        for pos in range(spec.start, end):
+            data = self.store[keys[pos // self.chunk]]  # [L, 2, chunk, H, D]
+            slot = self._slots(spec.block_ids, range(pos, pos + 1))
+            flat[:, :, slot] = data[:, :, pos % self.chunk : pos % self.chunk + 1]
+        if self.mode == "partial":
+            rest = self._slots(spec.block_ids, range(end, spec.start + spec.num_tokens))
+            flat[:, :, rest] = 1e4  # garbage: must be recomputed by the engine
+            return RequestLoadResult(loaded_tokens=todo, failed=True)
+        if self.mode == "silent":
+            return None
+        return RequestLoadResult(loaded_tokens=spec.num_tokens)
 
     def wait_for_load(self) -> LoadOutcome:
         self.calls.log.append(("wait", ""))
         return self._outcome
+
+    def get_finished(self) -> LoadOutcome:
+        self.calls.log.append(("get_finished", ""))
+        results = {}
+        for rid, entry in list(self.pending.items()):
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            del self.pending[rid]
+            result = self._place(entry[0])
+            results[rid] = result if result is not None else RequestLoadResult(0, failed=True)
+        return LoadOutcome(results)
+
+    def wait_for_async_loads(self, timeout_s: float) -> None:
+        self.waits += 1
 
     def save_kv(self, metadata: SaveMetadata) -> None:
         self.calls.log.append(("save", ",".join(s.request_id for s in metadata.requests)))

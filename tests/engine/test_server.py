@@ -381,7 +381,7 @@ def test_kvtier_connector_hits_and_metrics(tiny: Path) -> None:
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         prompt_tokens = second["usage"]["prompt_tokens"]
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == prompt_tokens // 32 * 32 > 0
+        assert cached == prompt_tokens - 1 > 0  # the same prompt again: all but its last token
         assert second["choices"] == first["choices"]  # loaded KV gives the same greedy text
         text = s.client.get("/metrics").text
         assert "kvtier_engine_time_to_first_token_seconds" in text
