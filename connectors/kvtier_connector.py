@@ -1,55 +1,80 @@
 """kvtier behind the bundled engine's connector interface.
 
-Scheduler side: the request's prompt is cut into chunk keys (namespace from
-the model fingerprint and KV layout), the store is asked for the longest
-present prefix, and the engine is told how many tokens it can load —
-chunk-aligned, except that when the whole prompt is cached all but its last
-token are loaded (the last chunk is scattered partially), and never less
-than ``connector.min_load_tokens``.
+Scheduler side: the request's prompt gets a key for every block boundary
+(``kvtier.keys.PrefixKeys``; namespace from the model fingerprint and KV
+layout); one batched ``contains`` finds the longest stored prefix — full
+chunks, then the longest stored tail (``prefix.py``); the engine is told how
+many tokens it can load, all but the prompt's last token at most, never fewer
+than ``connector.min_load_tokens``, and that the load is **asynchronous**.
 
-Worker side: ``start_load_kv`` starts fetching on an I/O thread;
-``wait_for_load`` waits up to ``connector.load_timeout_s``, then decodes,
-dequantizes and scatters on the engine's thread and reports, per request, how
-many tokens are valid — the engine recomputes the rest. ``save_kv`` gathers
-newly completed chunks out of the paged cache (a copy) and queues them for a
-background thread that encodes and stores them.
+Worker side: ``start_load_kv`` starts a ``LoadJob`` per request — its objects
+fetched on a bounded pool of I/O threads with one deadline for the whole
+load (``connector.load_timeout_s``, retries included) — and returns at once.
+``get_finished``, called by the engine at the start of each step, places
+(decodes, dequantizes, scatters) whatever has arrived and reports each load
+once it is over: all of it, or the tokens before a missing or corrupt
+block, a failure or the deadline; the engine recomputes the rest. Other
+requests keep stepping meanwhile. ``save_kv`` gathers newly completed chunks
+(and, when a prompt's prefill ends, its block-aligned tail) out of the paged
+cache — a copy — and queues them for a background thread that encodes and
+stores them; with ``connector.save_decode`` chunks completed while decoding
+and, when the request ends, the tail of prompt plus answer are saved too, so
+the next round of a conversation loads what this one generated.
 
-Every failure — a missing or corrupt block, a dead tier, a slow fetch — is a
+Every failure — a missing or corrupt block, a dead or stalled tier — is a
 recompute, counted in the store's metrics (``kvtier_load_tokens_total``).
+
+With ``connector.verify_fraction`` a load stops before a sampled object;
+the engine computes it and what follows, and each of those objects is
+compared with its stored block off the step thread (``verify.py``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.block import BlockSpec, Compression, Encoding
 from kvtier.config import KvtierConfig, load_config
+from kvtier.connectors.load_job import Fetcher, LoadJob, Placed
 from kvtier.connectors.loader import place_chunks
+from kvtier.connectors.prefix import ObjectRef, StoredPrefix, longest_stored_prefix
+from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.saver import ChunkSaver, SaveStats
+from kvtier.connectors.verify import (
+    ChunkVerifier,
+    Quarantine,
+    Sampler,
+    VerifyStats,
+    random_sampler,
+)
 from kvtier.engine.connector import (
     ConnectorRequest,
     KVConnector,
     LoadMetadata,
     LoadOutcome,
-    LoadSpec,
     RequestLoadResult,
     SaveMetadata,
     SaveSpec,
 )
 from kvtier.engine.kv_cache import KVCacheLayout
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.kernels import gather_kv, gather_kv_quantized, slots_for_tokens
-from kvtier.keys import CacheNamespace, ChunkKey, chunk_keys
+from kvtier.keys import CacheNamespace, KeyHash
 from kvtier.metrics import StoreMetrics
+from kvtier.metrics_http import serve_metrics
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
+
+# A request that waits for blocks is asked for its match every step; its
+# lookup is reused for this long.
+LOOKUP_REUSE_S = 1.0
 
 
 @dataclass
@@ -63,48 +88,19 @@ class ConnectorStats:
     loaded_tokens: int = 0
     failed_tokens: int = 0
     load_failures: int = 0
+    loads_refused: int = 0  # every I/O thread busy (a stalled tier): served as a miss
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     last_errors: list[str] = field(default_factory=list)
 
 
 @dataclass
-class _RequestState:
-    keys: list[ChunkKey]  # full chunks of the prompt (extended over decode tokens when saved)
-    partial_key: ChunkKey | None  # the prompt's trailing partial chunk (save_partial_chunks)
-    prompt_chunks: int  # full chunks in the prompt
-    stored_chunks: int = 0  # leading full chunks known to be in the store (hits or saved)
-    partial_saved: bool = False
+class _Load:
+    """A load in flight and what placing it needs."""
 
-    def lookup_keys(self) -> list[ChunkKey]:
-        """The prompt's keys, chunk ``i`` at index ``i`` (the partial chunk last)."""
-        keys = self.keys[: self.prompt_chunks]
-        return keys if self.partial_key is None else [*keys, self.partial_key]
-
-
-@dataclass
-class _PendingLoad:
-    spec: LoadSpec
-    groups: list[tuple[int, concurrent.futures.Future[list[bytes | None]]]]  # (first chunk, fetch)
-
-
-def fetch_groups(first: int, last: int) -> list[tuple[int, int]]:
-    """Chunks ``first..last`` as ``(start, stop)`` groups of 1, 1, 2, 4, ... chunks.
-
-    Small groups first let the scatter start while later chunks are still
-    being read; doubling keeps the number of tier calls (round trips, for a
-    network tier) logarithmic in the prefix length.
-    """
-    groups = []
-    size = 1
-    start = first
-    while start <= last:
-        stop = min(last + 1, start + size)
-        groups.append((start, stop))
-        if len(groups) > 1:
-            size *= 2
-        start = stop
-    return groups
+    job: LoadJob
+    block_ids: list[int]
+    started: float  # perf_counter
 
 
 class KvtierConnector(KVConnector):
@@ -116,6 +112,8 @@ class KvtierConnector(KVConnector):
         store: Use this store instead of building one from the configuration
             (the caller keeps ownership: ``shutdown`` does not close it).
         metrics: Where to count (the store's metrics by default).
+        verify_sampler: Decides which loadable objects are verified (by default
+            each with probability ``connector.verify_fraction``).
     """
 
     def __init__(
@@ -125,6 +123,7 @@ class KvtierConnector(KVConnector):
         config: KvtierConfig | None = None,
         store: TieredStore | None = None,
         metrics: StoreMetrics | None = None,
+        verify_sampler: Sampler | None = None,
     ) -> None:
         self.config = config if config is not None else load_config(config_path)
         if store is None:
@@ -134,11 +133,18 @@ class KvtierConnector(KVConnector):
             self.store = store
             self._owns_store = False
         self.metrics = self.store.metrics
+        try:  # metrics.port: this process's /metrics (kvtier/metrics_http.py)
+            self.metrics_endpoint = serve_metrics(self.config.metrics, self.metrics.registry)
+        except ConfigError:
+            if self._owns_store:
+                self.store.close()
+            raise
         self.stats = ConnectorStats()
         cc = self.config.connector
         self._chunk = self.config.chunk_size
+        self._block_tokens = self.config.block_tokens
         self._encoding = Encoding.parse(self.config.block.encoding)
-        self._partial = self.config.save_partial_chunks
+        self._tails = self.config.save_partial_chunks
         self._saver = ChunkSaver(
             self.store,
             encoding=self._encoding,
@@ -146,15 +152,21 @@ class KvtierConnector(KVConnector):
             max_queue=cc.save_queue,
             metrics=self.metrics,
         )
-        self._io = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="kvtier-load"
-        )
-        self._requests: dict[str, _RequestState] = {}
-        self._pending: list[_PendingLoad] = []
+        self._fetcher = Fetcher(self.store, cc.load_workers)
+        # sampled verification of hits (verify.py): the verifier starts with the KV layout
+        self._sample = verify_sampler
+        if self._sample is None and cc.verify_fraction > 0:
+            self._sample = random_sampler(cc.verify_fraction)
+        self.quarantine = Quarantine()
+        self._verifier: ChunkVerifier | None = None
+        self._requests: dict[str, RequestState] = {}
+        self._jobs: dict[str, _Load] = {}
         self._kv_cache: torch.Tensor | None = None
         self._layout: KVCacheLayout | None = None
         self._ns: CacheNamespace | None = None
         self._spec: BlockSpec | None = None
+        # told the key of every object queued for saving (the engine's KV events)
+        self.on_saved: Callable[[bytes], None] | None = None
 
     # ---- worker side: registration --------------------------------------
 
@@ -173,10 +185,24 @@ class KvtierConnector(KVConnector):
             head_dim=layout.head_dim,
             kv_dtype=layout.dtype,
             chunk_size=self._chunk,
+            key_hash=KeyHash.parse(self.config.keys.hash),
         )
         self._spec = BlockSpec(
-            layout.num_layers, layout.num_kv_heads, layout.head_dim, kv_cache.dtype
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            kv_cache.dtype,
+            max_tokens=self._chunk,
         )
+        if self._sample is not None and self._verifier is None:
+            self._verifier = ChunkVerifier(
+                self.store,
+                spec=self._spec,
+                quarantine=self.quarantine,
+                metrics=self.metrics,
+                max_queue=self.config.connector.save_queue,
+                fetch_timeout_s=self.config.connector.load_timeout_s,
+            )
 
     @property
     def namespace(self) -> CacheNamespace | None:
@@ -185,29 +211,42 @@ class KvtierConnector(KVConnector):
 
     # ---- scheduler side ----------------------------------------------------
 
-    def _state(self, request: ConnectorRequest) -> _RequestState:
+    def _state(self, request: ConnectorRequest) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             assert self._ns is not None
-            prompt = request.prompt_token_ids
-            keys = chunk_keys(prompt, self._ns, include_partial=self._partial)
-            partial = keys.pop() if self._partial and len(prompt) % self._chunk else None
-            state = _RequestState(keys=keys, partial_key=partial, prompt_chunks=len(keys))
+            state = RequestState.new(self._ns, self._block_tokens, request.prompt_token_ids)
             self._requests[request.request_id] = state
         return state
 
+    def _lookup(self, state: RequestState) -> StoredPrefix:
+        limit = state.num_prompt_tokens
+        keys = state.keys.keys_at(state.keys.lookup_ends(limit))
+        with self.metrics.time_stage("lookup"):
+            present = self.store.contains(keys) if keys else []
+        # keys the verifier found wrong are not loaded (another writer may have put them back)
+        if len(self.quarantine):
+            present = [p and k not in self.quarantine for k, p in zip(keys, present, strict=True)]
+        prefix = longest_stored_prefix(state.keys, limit, present)
+        self.metrics.lookups.labels(
+            "miss"
+            if not prefix.num_tokens
+            else ("hit" if prefix.num_tokens == limit else "partial")
+        ).inc()
+        return prefix
+
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int:
+    ) -> int | tuple[int, bool]:
         if self._ns is None:
             return 0
         first_time = request.request_id not in self._requests
         state = self._state(request)
-        prompt_len = len(request.prompt_token_ids)
-        with self.metrics.time_stage("lookup"):
-            hit_chunks = self.store.lookup(state.lookup_keys())
-        state.stored_chunks = max(state.stored_chunks, min(hit_chunks, prompt_len // self._chunk))
-        hit_tokens = min(hit_chunks * self._chunk, prompt_len)
+        if not state.lookup_is_fresh(LOOKUP_REUSE_S):
+            state.remember_lookup(self._lookup(state))
+        assert state.prefix is not None
+        prompt_len = state.num_prompt_tokens
+        hit_tokens = state.prefix.num_tokens
         if first_time:
             self.stats.lookups += 1
             self.stats.lookup_tokens += prompt_len
@@ -215,101 +254,137 @@ class KvtierConnector(KVConnector):
             self.metrics.lookup_tokens.labels("requested").inc(prompt_len)
             self.metrics.lookup_tokens.labels("hit").inc(hit_tokens)
         end = min(hit_tokens, prompt_len - 1)  # at least one token is computed
+        if self._sample is not None:  # a sampled object is computed, then compared
+            end = state.plan_verification(num_computed_tokens, end, self._sample)
         n = end - num_computed_tokens
-        return n if n >= self.config.connector.min_load_tokens else 0
+        if n < self.config.connector.min_load_tokens:
+            return 0
+        if self._fetcher.saturated:  # every I/O thread is stuck on a tier: do not queue behind it
+            self.stats.loads_refused += 1
+            self.metrics.load_tokens.labels("refused").inc(n)
+            return 0
+        return n, True
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        load = self._jobs.pop(request.request_id, None)
+        if load is not None:
+            load.job.abandon()  # never placed into blocks that are about to be freed
+        if state is None or self._kv_cache is None or not self.config.connector.save_decode:
+            return
+        # the request ends: store prompt + answer so the next round of a conversation loads it
+        tokens = request.all_token_ids
+        computed = request.num_computed_tokens
+        for obj in state.chunks_to_save(tokens, computed):
+            self._save_object(obj, block_ids)
+        if self._tails:
+            tail = state.tail_to_save(tokens, computed)
+            if tail is not None:
+                self._save_object(tail, block_ids)
 
     # ---- worker side: load ---------------------------------------------
 
     def start_load_kv(self, metadata: LoadMetadata) -> None:
+        deadline = time.monotonic() + self.config.connector.load_timeout_s
         for spec in metadata.requests:
             state = self._requests.get(spec.request_id)
-            if state is None or spec.num_tokens <= 0:
+            if state is None or state.prefix is None or spec.num_tokens <= 0:
                 continue
-            first = spec.start // self._chunk
-            last = (spec.start + spec.num_tokens - 1) // self._chunk
-            keys = state.lookup_keys()
-            groups = [
-                (start, self._io.submit(self.store.get, keys[start:stop]))
-                for start, stop in fetch_groups(first, last)
-            ]
-            self._pending.append(_PendingLoad(spec, groups))
+            job = LoadJob(
+                request_id=spec.request_id,
+                start=spec.start,
+                end=spec.start + spec.num_tokens,
+                objects=state.prefix.objects_from(spec.start),
+                deadline=deadline,
+            )
+            job.begin(self._fetcher)
+            self._jobs[spec.request_id] = _Load(job, spec.block_ids, time.perf_counter())
 
     def wait_for_load(self) -> LoadOutcome:
-        pending, self._pending = self._pending, []
+        """Synchronous loads are never requested: every match is asynchronous."""
+        return LoadOutcome()
+
+    def get_finished(self) -> LoadOutcome:
         results: dict[str, RequestLoadResult] = {}
-        deadline = time.monotonic() + self.config.connector.load_timeout_s
-        for p in pending:
-            spec = p.spec
-            t0 = time.perf_counter()
-            with self.metrics.time_stage("load"):
-                loaded, nbytes, error = self._finish_load(p, deadline)
-            self.stats.load_seconds += time.perf_counter() - t0
-            self.stats.load_requests += 1
-            failed = loaded < spec.num_tokens
-            results[spec.request_id] = RequestLoadResult(loaded_tokens=loaded, failed=failed)
-            self.stats.loaded_tokens += loaded
-            self.stats.bytes_loaded += nbytes
-            self.metrics.load_tokens.labels("loaded").inc(loaded)
-            if failed:
-                state = self._requests.get(spec.request_id)
-                if state is not None:
-                    # What was not loaded is recomputed: let save_kv store it again.
-                    state.stored_chunks = min(
-                        state.stored_chunks, (spec.start + loaded) // self._chunk
-                    )
-                self.stats.load_failures += 1
-                self.stats.failed_tokens += spec.num_tokens - loaded
-                self.metrics.load_tokens.labels("failed").inc(spec.num_tokens - loaded)
-                self.stats.last_errors = [
-                    *self.stats.last_errors[-9:],
-                    f"{spec.request_id}: {error}",
-                ]
-                log.info(
-                    "kvtier load for %s: %d of %d tokens (%s); recomputing the rest",
-                    spec.request_id,
-                    loaded,
-                    spec.num_tokens,
-                    error,
+        for rid, load in list(self._jobs.items()):
+            ids = load.block_ids
+            with self.metrics.time_stage("place"):
+                done = load.job.advance(
+                    lambda b, o, lo, hi, ids=ids: self._place(b, o, lo, hi, ids)
                 )
+            if done:
+                del self._jobs[rid]
+                results[rid] = self._finish(load)
         return LoadOutcome(results)
 
-    def _finish_load(self, p: _PendingLoad, deadline: float) -> tuple[int, int, str | None]:
-        """Place each group as its fetch completes; stop at the first gap, failure or timeout."""
-        spec = p.spec
-        end = spec.start + spec.num_tokens
+    def wait_for_async_loads(self, timeout_s: float) -> None:
+        fetcher = self._fetcher
+        fetcher.wakeup.clear()
+        for load in self._jobs.values():
+            job = load.job
+            if job.groups and (job.groups[0][1].done() or time.monotonic() >= job.deadline):
+                return  # something to place already
+        fetcher.wakeup.wait(timeout_s)
+
+    def _place(
+        self,
+        blocks: Sequence[bytes | None],
+        objects: Sequence[ObjectRef],
+        lo: int,
+        hi: int,
+        block_ids: list[int],
+    ) -> Placed:
         assert self._kv_cache is not None and self._layout is not None and self._spec is not None
-        loaded = nbytes = 0
-        for i, (first_chunk, future) in enumerate(p.groups):
-            try:
-                blocks = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                error = f"fetch timed out after {self.config.connector.load_timeout_s}s"
-            except KvtierError as e:
-                error = f"fetch failed: {e}"
-            else:
-                start = max(spec.start, first_chunk * self._chunk)
-                placement = place_chunks(
-                    blocks,
-                    first_chunk=first_chunk,
-                    chunk_size=self._chunk,
-                    start=start,
-                    end=min(end, (first_chunk + len(blocks)) * self._chunk),
-                    block_ids=spec.block_ids,
-                    block_size=self._layout.block_size,
-                    kv_cache=self._kv_cache,
-                    spec=self._spec,
-                )
-                loaded = start - spec.start + placement.loaded_tokens
-                nbytes += placement.bytes_loaded
-                error = placement.error
-            if error is not None:
-                for _, later in p.groups[i:]:
-                    later.cancel()  # never written: the engine recomputes from here
-                return loaded, nbytes, error
-        return loaded, nbytes, None
+        placement = place_chunks(
+            list(blocks),
+            keys=[o.key for o in objects],
+            first_chunk=objects[0].start // self._chunk,
+            chunk_size=self._chunk,
+            start=lo,
+            end=hi,
+            block_ids=block_ids,
+            block_size=self._layout.block_size,
+            kv_cache=self._kv_cache,
+            spec=self._spec,
+        )
+        if placement.corrupt is not None:
+            # NOTE: the store already checked checksums and keys and deleted what
+            # failed; what is left here is a header that lies about its size or
+            # layout (an lz4 size beyond the chunk): counted, recomputed.
+            self.metrics.count_corrupt("load", placement.corrupt)
+        return Placed(placement.loaded_tokens, placement.bytes_loaded, placement.error)
+
+    def _finish(self, load: _Load) -> RequestLoadResult:
+        job = load.job
+        wanted = job.end - job.start
+        loaded = job.placed
+        seconds = time.perf_counter() - load.started
+        self.metrics.stage_latency.labels("load").observe(seconds)
+        self.stats.load_seconds += seconds
+        self.stats.load_requests += 1
+        self.stats.loaded_tokens += loaded
+        self.stats.bytes_loaded += job.nbytes
+        self.metrics.load_tokens.labels("loaded").inc(loaded)
+        failed = loaded < wanted
+        if failed:
+            state = self._requests.get(job.request_id)
+            if state is not None:
+                state.load_failed_at(job.start + loaded)  # recomputed, so saved again
+            self.stats.load_failures += 1
+            self.stats.failed_tokens += wanted - loaded
+            self.metrics.load_tokens.labels("failed").inc(wanted - loaded)
+            self.stats.last_errors = [
+                *self.stats.last_errors[-9:],
+                f"{job.request_id}: {job.error}",
+            ]
+            log.info(
+                "kvtier load for %s: %d of %d tokens (%s); recomputing the rest",
+                job.request_id,
+                loaded,
+                wanted,
+                job.error,
+            )
+        return RequestLoadResult(loaded_tokens=loaded, failed=failed)
 
     # ---- worker side: save ---------------------------------------------
 
@@ -322,47 +397,76 @@ class KvtierConnector(KVConnector):
             self._save_request(spec)
 
     def _save_request(self, spec: SaveSpec) -> None:
-        assert self._ns is not None and self._layout is not None
         state = self._requests.get(spec.request_id)
         if state is None:
             return
-        limit = (
-            spec.num_computed_prompt_tokens if spec.phase == "prefill" else spec.num_computed_tokens
-        )
-        n_full = limit // self._chunk
-        if n_full > len(state.keys):
-            # Decode went past the prompt: extend the keys over the generated tokens.
-            state.keys = chunk_keys(spec.token_ids[: n_full * self._chunk], self._ns)
-        for c in range(state.stored_chunks, n_full):
-            self._save_chunk(state.keys[c], spec.block_ids, c * self._chunk, self._chunk)
-        state.stored_chunks = max(state.stored_chunks, n_full)
-        if state.partial_key is not None and spec.prefill_done and not state.partial_saved:
-            start = (spec.num_prompt_tokens // self._chunk) * self._chunk
-            self._save_chunk(
-                state.partial_key, spec.block_ids, start, spec.num_prompt_tokens - start
-            )
-            state.partial_saved = True
+        decode = spec.phase == "decode"
+        computed = spec.num_computed_tokens if decode else spec.num_computed_prompt_tokens
+        for obj in state.chunks_to_save(spec.token_ids, computed):
+            self._save_object(obj, spec.block_ids)
+        if self._tails and spec.prefill_done and not decode:
+            tail = state.tail_to_save(spec.token_ids, spec.num_prompt_tokens, exact=True)
+            if tail is not None:
+                self._save_object(tail, spec.block_ids)
+        if self._verifier is not None:
+            for obj in state.verifiable(computed):
+                self._verify_object(obj, spec.block_ids)
 
-    def _save_chunk(self, key: ChunkKey, block_ids: list[int], start: int, num_tokens: int) -> None:
+    def _verify_object(self, obj: ObjectRef, block_ids: list[int]) -> None:
         assert self._kv_cache is not None and self._layout is not None
+        assert self._verifier is not None
         slots = slots_for_tokens(
-            block_ids, self._layout.block_size, start, num_tokens, device=self._kv_cache.device
+            block_ids,
+            self._layout.block_size,
+            obj.start,
+            obj.num_tokens,
+            device=self._kv_cache.device,
+        )
+        chunk = gather_kv(self._kv_cache, slots)  # a copy: compared later, on the verifier's thread
+        self._verifier.submit(obj.key, chunk.cpu())
+
+    def _save_object(self, obj: ObjectRef, block_ids: list[int]) -> None:
+        assert self._kv_cache is not None and self._layout is not None
+        if obj.key in self.quarantine:  # this process found it wrong: do not store it again
+            return
+        slots = slots_for_tokens(
+            block_ids,
+            self._layout.block_size,
+            obj.start,
+            obj.num_tokens,
+            device=self._kv_cache.device,
         )
         kv = self._kv_cache
         if kv.is_cuda and self._encoding != Encoding.RAW:
             # Fused gather + quantize on the device; the saver only encodes.
             q = gather_kv_quantized(kv, slots, self._encoding.label)
             # A blocking copy: the saver thread must not see a copy still in flight.
-            self._saver.submit(key, type(q)(q.data.cpu(), q.scales.cpu()), kv.dtype)
+            queued = self._saver.submit(obj.key, type(q)(q.data.cpu(), q.scales.cpu()), kv.dtype)
         else:
             chunk = gather_kv(kv, slots)  # a copy: the slots may be reused once the request ends
-            self._saver.submit(key, chunk.cpu() if chunk.is_cuda else chunk, kv.dtype)
+            queued = self._saver.submit(obj.key, chunk.cpu() if chunk.is_cuda else chunk, kv.dtype)
+        if queued and self.on_saved is not None:
+            self.on_saved(obj.key)
 
     # ---- lifecycle -------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued save has reached the store's tiers."""
-        return self._saver.flush(timeout)
+        """Wait until every queued save has reached the store's tiers and every queued check ran."""
+        deadline = time.monotonic() + timeout
+        saved = self._saver.flush(timeout)
+        if self._verifier is None:
+            return saved
+        return self._verifier.flush(max(0.0, deadline - time.monotonic())) and saved
+
+    @property
+    def verify_stats(self) -> VerifyStats:
+        """What sampled verification found (all zero when it is off)."""
+        return self._verifier.stats if self._verifier is not None else VerifyStats()
+
+    @property
+    def verifier(self) -> ChunkVerifier | None:
+        """The verifier (after ``register_kv_caches``, when verification is on)."""
+        return self._verifier
 
     @property
     def save_stats(self) -> SaveStats:
@@ -370,7 +474,14 @@ class KvtierConnector(KVConnector):
         return self._saver.stats
 
     def shutdown(self) -> None:
+        for load in self._jobs.values():
+            load.job.abandon()
+        self._jobs.clear()
         self._saver.close(timeout=30.0)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        if self._verifier is not None:
+            self._verifier.close(timeout=30.0)
+        self._fetcher.shutdown()
         if self._owns_store:
             self.store.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()

@@ -14,6 +14,11 @@ Which tokens of which chunk go where::
     token t goes to slot  block_ids[t // B] * B + t % B   (B = block size)
 
 A chunk's tokens outside the needed window get slot -1 (not written).
+
+Each block is decoded for the key it was fetched under: a block that carries
+another key, or whose header is hostile (an lz4 size its compressed bytes or
+the engine's chunk cannot hold), stops the placement there and is reported in
+``Placement.corrupt`` for the caller to count; what follows is recomputed.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Placement:
     loaded_tokens: int  # from ``start``, contiguous
     bytes_loaded: int
     error: str | None = None
+    corrupt: str | None = None  # the reason (``CorruptBlockError.reason``) of a rejected block
 
 
 def slot_mapping(
@@ -61,6 +67,7 @@ def slot_mapping(
 def place_chunks(
     blocks: list[bytes | None],
     *,
+    keys: list[bytes],
     first_chunk: int,
     chunk_size: int,
     start: int,
@@ -72,8 +79,9 @@ def place_chunks(
 ) -> Placement:
     """Decode ``blocks`` (chunks ``first_chunk, first_chunk+1, ...``) and scatter tokens ``[start, end)``.
 
-    Stops at the first missing or invalid block; reports how many tokens from
-    ``start`` were placed.
+    ``keys[i]`` is the key ``blocks[i]`` was fetched under; its header must
+    carry it. Stops at the first missing or invalid block; reports how many
+    tokens from ``start`` were placed.
     """
     placed_to = start
     nbytes = 0
@@ -86,9 +94,9 @@ def place_chunks(
         if block is None:
             return Placement(placed_to - start, nbytes, f"chunk {c} is missing")
         try:
-            decoded = decode_block(block, expect=spec, verify=False)
+            decoded = decode_block(block, key=keys[i], expect=spec, verify=False)
         except CorruptBlockError as e:
-            return Placement(placed_to - start, nbytes, f"chunk {c} is invalid: {e}")
+            return Placement(placed_to - start, nbytes, f"chunk {c} is invalid: {e}", e.reason)
         n = decoded.header.num_tokens
         hi = min(end, chunk_start + n)
         if hi <= placed_to:

@@ -22,7 +22,7 @@ from kvtier.errors import KvtierError
 from kvtier.kernels import QuantizedChunk, quantize_chunk
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
-from kvtier.writer import lower_thread_priority
+from kvtier.writer import close_at_exit, lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class ChunkSaver:
         self.stats = SaveStats()
         self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
         self._thread.start()
+        self._closed = False
+        close_at_exit(self, timeout=30.0)
 
     def submit(
         self, key: bytes, chunk: torch.Tensor | QuantizedChunk, kv_dtype: torch.dtype
@@ -97,6 +99,10 @@ class ChunkSaver:
         return self._store.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float) -> None:
+        """Store what is queued (up to ``timeout``), then stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
         self.flush(timeout)
         try:
             self._queue.put(_STOP, timeout=1.0)
@@ -105,14 +111,17 @@ class ChunkSaver:
             return
         self._thread.join(timeout=5.0)
 
-    def encode(self, chunk: torch.Tensor | QuantizedChunk, kv_dtype: torch.dtype) -> bytes:
-        """One chunk as a block in the configured encoding."""
+    def encode(
+        self, key: bytes, chunk: torch.Tensor | QuantizedChunk, kv_dtype: torch.dtype
+    ) -> bytes:
+        """One chunk as a block for ``key`` in the configured encoding."""
         if not isinstance(chunk, QuantizedChunk):
             if self._encoding == Encoding.RAW:
-                return encode_block(chunk, compression=self._compression)
+                return encode_block(chunk, key=key, compression=self._compression)
             chunk = quantize_chunk(chunk, self._encoding.label)
         return encode_block(
             chunk.data.cpu(),
+            key=key,
             encoding=Encoding.parse(chunk.encoding),
             scales=chunk.scales.cpu(),
             kv_dtype=kv_dtype,
@@ -129,7 +138,7 @@ class ChunkSaver:
                 assert isinstance(item, _Pending)
                 key, chunk, kv_dtype = item.key, item.chunk, item.kv_dtype
                 with self._metrics.time_stage("save"):
-                    block = self.encode(chunk, kv_dtype)
+                    block = self.encode(key, chunk, kv_dtype)
                     self._store.put([(key, block)])
                 self.stats.chunks_saved += 1
                 self.stats.bytes_saved += len(block)

@@ -19,8 +19,10 @@ from kvtier.config import KvtierConfig
 from kvtier.connectors.demo import _spawn
 from kvtier.connectors.kvtier_connector import KvtierConnector
 from kvtier.engine import LLM, SamplingParams
+from tests.connectors.demo_prompts import shared_chunk_tokens
 from tests.engine.tiny_models import write_tiny_model
 from tests.support.aerospike_server import AerospikeTestServer
+from tests.support.timeouts import aerospike_timeouts, scaled
 
 CHUNK = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -57,16 +59,20 @@ def test_two_engine_processes_share_prefixes_through_aerospike(tiny: Path, tmp_p
             KvtierConfig.model_validate(
                 {
                     "chunk_size": CHUNK,
-                    "tiers": [_tier(srv.address)],
+                    # Generous timeouts: a busy host must not turn saves into drops here.
+                    "tiers": [_tier(srv.address, **aerospike_timeouts())],
                     "connector": {"min_load_tokens": CHUNK},
                 }
             ).model_dump_json()
         )
-        a = _spawn(str(tiny), str(cfg), "What is stored?", 4, str(doc), "A")
+        a = _spawn(str(tiny), str(cfg), "What is stored?", 4, str(doc), "A", 3)
         assert a["chunks_saved"] > 0 and a["loaded_tokens"] == 0
         assert len(srv.digests("kvcache")) >= a["chunks_saved"]  # one record per small block
-        b = _spawn(str(tiny), str(cfg), "Which blocks?", 4, str(doc), "B")
-        assert b["loaded_tokens"] >= CHUNK * (a["chunks_saved"] - 1)
+        b = _spawn(str(tiny), str(cfg), "Which blocks?", 4, str(doc), "B", 4)
+        shared = shared_chunk_tokens(
+            tiny, doc.read_text(), "What is stored?", "Which blocks?", CHUNK
+        )
+        assert b["loaded_tokens"] == shared > 0  # every chunk B shares with A came back
         assert b["load_failures"] == 0
 
 
@@ -107,7 +113,7 @@ def test_engine_survives_a_stopped_server_and_recovers(tiny: Path) -> None:
         elapsed = time.perf_counter() - t0
         assert out.token_ids == cold2 and out.num_external_tokens == 0
         # Lookup (2 attempts x 300 ms) + load deadline (1 s) + the cold work, with slack for a loaded machine.
-        assert elapsed < 0.6 + 1.0 + 3 * cold_prefill + 2.0
+        assert elapsed < 0.6 + 1.0 + 3 * cold_prefill + scaled(0.5)
         errors = sum(
             conn.metrics.value("kvtier_tier_errors_total", {"tier": "aerospike", "kind": k})
             for k in ("transient", "unavailable")
@@ -122,5 +128,5 @@ def test_engine_survives_a_stopped_server_and_recovers(tiny: Path) -> None:
             out = llm.generate([p1], GREEDY)[0]
             assert out.token_ids == cold1
             loaded = out.num_external_tokens
-        assert loaded == (len(p1) // CHUNK) * CHUNK
+        assert loaded == len(p1) - 1  # stored whole (chunks + its exact tail): all but the last
         llm.engine.shutdown()

@@ -1,0 +1,329 @@
+"""The vLLM connector's worker side: places loads into vLLM's cache, gathers saves out of it.
+
+Runs in vLLM's worker process, on the thread that runs the forward pass.
+It does what the scheduler side planned (``StepPlan``) and reports back::
+
+    start_load_kv   each LoadSpec becomes a LoadJob (load_job.py): its objects fetched on a
+                    bounded pool of I/O threads, one deadline (connector.load_timeout_s)
+                    sync:  placed now, before the forward pass reads the blocks
+                    async: placed by get_finished, step after step, as groups arrive
+    wait_for_save   each SaveSpec: gather the objects out of vLLM's cache (a copy: the
+                    blocks may be reused once the step ends) ─► ChunkSaver thread
+                    (quantize, encode, store.put)
+    get_finished    async loads that ended ─► finished_recving; finished requests whose
+                    last saves were gathered ─► finished_sending (vLLM frees their blocks)
+    get_block_ids_with_load_errors
+                    every block from the first token a load did not place to the end of
+                    what it was to place: vLLM recomputes from that block
+
+Placing decodes each fetched block for the key it was fetched under, checks
+it holds exactly the object's tokens, dequantizes it if it was stored
+quantized, and scatters the tokens through the cache layout
+(``vllm_layout.py``). The first missing, corrupt or late object ends the
+load: what came before it stays, what follows is reported failed and
+recomputed — a failed block is never served.
+
+**One load per request, all layers at once.** Objects hold every layer of
+their tokens (the stored format), so a load cannot be pipelined layer by
+layer against the forward pass: ``wait_for_layer_load`` and ``save_kv_layer``
+have nothing to do. What a hit leaves to compute is at most a chunk, so the
+forward pass after a load is short; the load itself is what takes time, and
+it runs before (sync) or beside (async) vLLM's steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.block import BlockSpec, Compression, Encoding, decode_block
+from kvtier.config import KvtierConfig
+from kvtier.connectors.load_job import Fetcher, LoadJob, Placed, PlaceFn
+from kvtier.connectors.prefix import ObjectRef
+from kvtier.connectors.saver import ChunkSaver
+from kvtier.connectors.vllm_layout import PagedKV
+from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
+from kvtier.errors import CorruptBlockError
+from kvtier.kernels import KernelInputError, dequantize_chunk
+from kvtier.metrics import StoreMetrics
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+_SYNC_POLL_S = 0.05  # longest wait between checks of a synchronous load (the fetch wakes it)
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    spec: LoadSpec
+    started: float  # perf_counter
+
+
+class VllmWorker:
+    """The worker side (see the module docstring).
+
+    Args:
+        config: kvtier's configuration.
+        store: Where loads come from and saves go.
+        counters: Where to count (handed to vLLM's stats).
+        metrics: kvtier's metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: KvtierConfig,
+        store: TieredStore,
+        counters: Counters,
+        metrics: StoreMetrics,
+    ) -> None:
+        self._config = config
+        self._counters = counters
+        self._metrics = metrics
+        cc = config.connector
+        self._encoding = Encoding.parse(config.block.encoding)
+        self._fetcher = Fetcher(store, cc.load_workers)
+        self._saver = ChunkSaver(
+            store,
+            encoding=self._encoding,
+            compression=Compression.parse(config.block.compression),
+            max_queue=cc.save_queue,
+            metrics=metrics,
+        )
+        self._layout: PagedKV | None = None
+        self._spec: BlockSpec | None = None
+        self._jobs: dict[str, _Load] = {}  # asynchronous loads in flight
+        self._errors: set[int] = set()  # failed blocks not yet reported
+        self._failed: dict[str, int] = {}  # request -> first token its load did not place
+        self._new_failures: dict[str, int] = {}  # not yet in a WorkerReport
+        self._released: set[str] = set()  # finished requests whose last saves were gathered
+        self._recent_finished: tuple[set[str], set[str]] = (set(), set())
+        self._reported_stuck = False
+
+    def register(self, layout: PagedKV) -> None:
+        """vLLM's caches, through their layout."""
+        g = layout.geometry
+        self._layout = layout
+        self._spec = BlockSpec(
+            g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, max_tokens=self._config.chunk_size
+        )
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def start_loads(self, plan: StepPlan) -> None:
+        """Starts this step's loads; synchronous ones are placed before returning."""
+        if self._layout is None:
+            return
+        deadline = time.monotonic() + self._config.connector.load_timeout_s
+        for spec in plan.loads:
+            job = LoadJob(
+                request_id=spec.request_id,
+                start=spec.start,
+                end=spec.end,
+                objects=list(spec.objects),
+                deadline=deadline,
+            )
+            load = _Load(job, spec, time.perf_counter())
+            self._counters.add("loads")
+            if not spec.objects:
+                job.error = "nothing to load"
+                job.done = True
+            elif self._fetcher.saturated:
+                job.error = "every load thread is held by a stuck tier"
+                job.done = True
+            else:
+                job.begin(self._fetcher)
+            if spec.sync:
+                self._run(load)
+                self._finish(load)
+            else:
+                self._jobs[spec.request_id] = load
+
+    def _run(self, load: _Load) -> None:
+        """Places a synchronous load to its end (bounded by its deadline)."""
+        job = load.job
+        place = self._place_fn(load.spec)
+        while not job.advance(place):
+            self._fetcher.wakeup.clear()
+            if job.groups and job.groups[0][1].done():
+                continue
+            left = job.deadline - time.monotonic()
+            self._fetcher.wakeup.wait(min(_SYNC_POLL_S, max(0.0, left)))
+
+    def _place_fn(self, spec: LoadSpec) -> PlaceFn:
+        def place(
+            blocks: Sequence[bytes | None], objects: Sequence[ObjectRef], lo: int, hi: int
+        ) -> Placed:
+            with self._metrics.time_stage("place"):
+                return self._place(spec, blocks, objects, lo, hi)
+
+        return place
+
+    def _place(
+        self,
+        spec: LoadSpec,
+        blocks: Sequence[bytes | None],
+        objects: Sequence[ObjectRef],
+        lo: int,
+        hi: int,
+    ) -> Placed:
+        """Decodes and scatters tokens ``[lo, hi)`` of ``objects``; stops at the first bad one."""
+        assert self._layout is not None and self._spec is not None
+        placed_to, nbytes = lo, 0
+        for block, obj in zip(blocks, objects, strict=True):
+            a, b = max(placed_to, obj.start), min(hi, obj.end)
+            if b <= a:
+                continue
+            where = f"object [{obj.start}, {obj.end})"
+            if block is None:
+                return Placed(placed_to - lo, nbytes, f"{where} is missing")
+            try:
+                decoded = decode_block(block, key=obj.key, expect=self._spec, verify=False)
+            except CorruptBlockError as e:
+                self._metrics.count_corrupt("load", e.reason)
+                return Placed(placed_to - lo, nbytes, f"{where} is invalid: {e}")
+            if decoded.header.num_tokens != obj.num_tokens:
+                self._metrics.count_corrupt("load", "shape")
+                return Placed(
+                    placed_to - lo,
+                    nbytes,
+                    f"{where} holds {decoded.header.num_tokens} tokens, not {obj.num_tokens}",
+                )
+            window = slice(a - obj.start, b - obj.start)
+            payload = decoded.payload[:, :, window]
+            if decoded.scales is not None:
+                payload = dequantize_chunk(
+                    payload, decoded.scales[:, :, window], decoded.header.kv_dtype
+                )
+            try:
+                self._layout.scatter(payload, spec.block_ids, a)
+            except KernelInputError as e:
+                return Placed(placed_to - lo, nbytes, f"{where} does not fit the cache: {e}")
+            nbytes += len(block)
+            placed_to = b
+        return Placed(placed_to - lo, nbytes)
+
+    def _finish(self, load: _Load) -> None:
+        """Counts an ended load; a short one reports its unplaced blocks as failed."""
+        job, spec = load.job, load.spec
+        seconds = time.perf_counter() - load.started
+        self._counters.load_took(seconds)
+        self._metrics.stage_latency.labels("load").observe(seconds)
+        wanted = spec.end - spec.start
+        self._counters.add("loaded_tokens", job.placed)
+        self._counters.add("loaded_bytes", job.nbytes)
+        self._metrics.load_tokens.labels("loaded").inc(job.placed)
+        if job.placed >= wanted:
+            return
+        first_bad = spec.start + job.placed
+        bs = self._layout.geometry.block_size if self._layout is not None else 1
+        bad = spec.block_ids[first_bad // bs : math.ceil(spec.end / bs)]
+        self._errors.update(bad)
+        self._failed[spec.request_id] = first_bad
+        self._new_failures[spec.request_id] = first_bad
+        self._counters.add("load_failures")
+        self._counters.add("failed_tokens", wanted - job.placed)
+        self._metrics.load_tokens.labels("failed").inc(wanted - job.placed)
+        log.info(
+            "kvtier load for %s: %d of %d tokens (%s); vLLM recomputes from token %d",
+            spec.request_id,
+            job.placed,
+            wanted,
+            job.error,
+            (first_bad // bs) * bs,
+        )
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks that failed to load since the last call (vLLM recomputes them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ---- saves ---------------------------------------------------------------------------
+
+    def save(self, plan: StepPlan) -> None:
+        """Gathers this step's saves out of the cache and queues them for the saver thread."""
+        if self._layout is None:
+            return
+        for spec in plan.saves:
+            if spec.request_id in self._failed and not spec.after_failed_load:
+                self._counters.add("dropped_saves", len(spec.objects))
+            else:
+                for obj in spec.objects:
+                    self._save_object(spec, obj)
+            if spec.release:
+                self._released.add(spec.request_id)
+
+    def _save_object(self, spec: SaveSpec, obj: ObjectRef) -> None:
+        layout = self._layout
+        assert layout is not None
+        dtype = layout.geometry.dtype
+        try:
+            quantized = None
+            if self._encoding != Encoding.RAW:
+                quantized = layout.gather_quantized(
+                    spec.block_ids, obj.start, obj.num_tokens, self._encoding.label
+                )
+            if quantized is not None:
+                # a blocking copy: the saver thread must not see one still in flight
+                queued = self._saver.submit(
+                    obj.key, type(quantized)(quantized.data.cpu(), quantized.scales.cpu()), dtype
+                )
+            else:
+                chunk = layout.gather(spec.block_ids, obj.start, obj.num_tokens)
+                queued = self._saver.submit(obj.key, chunk.cpu(), dtype)
+        except KernelInputError as e:
+            log.warning(
+                "kvtier: cannot gather %s [%d, %d): %s", spec.request_id, obj.start, obj.end, e
+            )
+            queued = False
+        self._counters.add("saved_chunks" if queued else "dropped_saves")
+
+    # ---- per step --------------------------------------------------------------------------
+
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """(requests whose last saves were gathered, asynchronous loads that ended)."""
+        finished = set(finished_req_ids)
+        recent = self._recent_finished[1] | finished
+        self._recent_finished = (self._recent_finished[1], finished)
+        recvd: set[str] = set()
+        for rid, load in list(self._jobs.items()):
+            if rid in finished:  # ended while loading: never place into blocks being freed
+                load.job.abandon()
+                del self._jobs[rid]
+                recvd.add(rid)
+                continue
+            if load.job.advance(self._place_fn(load.spec)):
+                del self._jobs[rid]
+                self._finish(load)
+                recvd.add(rid)
+        sent = self._released & recent
+        self._released -= sent
+        for rid in finished:
+            self._failed.pop(rid, None)
+        return sent, recvd
+
+    def report(self) -> WorkerReport | None:
+        """Failed loads since the last report, and the load threads' state when it changed."""
+        stuck = self._fetcher.saturated
+        if not self._new_failures and stuck == self._reported_stuck:
+            return None
+        report = WorkerReport(self._new_failures, stuck)
+        self._new_failures = {}
+        self._reported_stuck = stuck
+        return report
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Waits until every queued save has reached the store's tiers."""
+        return self._saver.flush(timeout)
+
+    def close(self) -> None:
+        """Abandons loads in flight, stores what is queued, stops the threads."""
+        for load in self._jobs.values():
+            load.job.abandon()
+        self._jobs.clear()
+        self._saver.close(timeout=30.0)
+        self._fetcher.shutdown()
