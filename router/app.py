@@ -1,0 +1,235 @@
+"""The router's HTTP app and how it is run.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed,
+streamed or not), ``GET /v1/models`` (from a healthy engine), ``GET /health``
+(200 while some engine can answer), ``GET /metrics`` (the router's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvtier.engine.tokenizer import Tokenizer
+from kvtier.router.config import RouterConfig
+from kvtier.router.engines import EnginePool
+from kvtier.router.events import EventFollower
+from kvtier.router.index import PrefixIndex
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Router, Weights
+from kvtier.router.proxy import Proxy, error_response
+
+
+class RouterState:
+    """Everything one router app holds (built at start-up, on the serving loop)."""
+
+    def __init__(
+        self, config: RouterConfig, tokenizer: Tokenizer | None, registry: CollectorRegistry
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = RouterMetrics(registry)
+        self.index = PrefixIndex(config.max_saved_keys)
+        self.proxy: Proxy | None = None
+        self.pool: EnginePool | None = None
+        self.follower: EventFollower | None = None
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        timeout = httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        headers = {"authorization": f"Bearer {c.engine_api_key}"} if c.engine_api_key else {}
+        urls = [e.url for e in c.engines]
+        self.follower = EventFollower(
+            urls, self.client, self.index, self.metrics, wait_s=c.events_wait_s, headers=headers
+        )
+        self.pool = EnginePool(
+            c.engines,
+            self.client,
+            self.metrics,
+            interval_s=c.health_interval_s,
+            timeout_s=c.health_timeout_s,
+            headers=headers,
+            on_down=self.follower.engine_down,
+        )
+        weights = Weights(c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance)
+        self.proxy = Proxy(c, self.pool, Router(c.policy, weights), self.index, self.follower,
+                           self.tokenizer, self.client, self.metrics)  # fmt: skip
+        await self.pool.check_all()
+        self.pool.start()
+        if c.kv_events:
+            self.follower.start()
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+        if self.pool is not None:
+            await self.pool.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+
+def create_router_app(
+    config: RouterConfig,
+    tokenizer: Tokenizer | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    """The router app (its engines are checked and followed while it serves).
+
+    Args:
+        config: How to route.
+        tokenizer: The model's tokenizer (for prompt keys); None routes without keys.
+        registry: Where the router's metrics go (default: a new one).
+    """
+    state = RouterState(config, tokenizer, registry or CollectorRegistry())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(
+        title="kvtier router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.state.router = state
+
+    def proxy() -> Proxy:
+        assert state.proxy is not None, "the router is not started"
+        return state.proxy
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy().handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy().handle(request, "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        assert state.pool is not None and state.client is not None
+        headers = proxy().upstream_headers(request)
+        for e in state.pool.serving(("both", "decode", "prefill")):
+            try:
+                r = await state.client.get(e.url + "/v1/models", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if r.status_code in (200, 401):  # a refused key is the client's to see
+                return Response(r.content, r.status_code, media_type="application/json")
+        return error_response(503, "no engine is available", "no_engine_available")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        assert state.pool is not None
+        engines = {e.url: {"healthy": e.healthy, "role": e.role, "in_flight": e.in_flight}
+                   for e in state.pool.engines}  # fmt: skip
+        roles = ("decode", "both") if config.disaggregated else ("both",)
+        ok = bool(state.pool.serving(roles))
+        return JSONResponse(
+            {"status": "ok" if ok else "no_engine", "engines": engines}, 200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with TCP_NODELAY (streamed tokens are small writes)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(app: FastAPI, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
+
+
+def serve_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+    """Serves until SIGTERM/SIGINT."""
+    sock = bind(host, port)
+    try:
+        uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+class BackgroundRouter:
+    """The router on a background thread (its own loop), for tests and benchmarks."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = bind(host, port)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._server = uvicorn.Server(_config(app, "warning"))
+        self._thread = threading.Thread(target=self._run, name="kvtier-router", daemon=True)
+        self.app = app
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state(self) -> RouterState:
+        state: RouterState = self.app.state.router
+        return state
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def start(self, timeout_s: float = 60.0) -> BackgroundRouter:
+        """Returns once the router accepts connections.
+
+        Raises:
+            RuntimeError: if it does not start in time.
+        """
+        self._thread.start()
+        done = threading.Event()
+        waited = 0.0
+        while not self._server.started and self._thread.is_alive() and waited < timeout_s:
+            done.wait(0.02)
+            waited += 0.02
+        if not self._server.started:
+            self.close()
+            raise RuntimeError("the router did not start")
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundRouter:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""``kvtier router``: the command line of the router (loaded lazily by ``kvtier/cli.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from kvtier.router.config import POLICIES, EngineSpec, RouterConfig, RouterConfigError
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.command("router", context_settings=_CONTEXT)
+@click.option("--engine", "engines", multiple=True, metavar="URL",
+              help="An engine serving both prefill and decode (repeatable).")  # fmt: skip
+@click.option("--prefill", "prefills", multiple=True, metavar="URL",
+              help="A prefill engine (`kvtier engine serve --role prefill`; repeatable).")  # fmt: skip
+@click.option("--decode", "decodes", multiple=True, metavar="URL",
+              help="A decode engine (`kvtier engine serve --role decode`; repeatable).")  # fmt: skip
+@click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True)
+@click.option(
+    "--model",
+    "-m",
+    default="smollm2",
+    show_default=True,
+    help="Tokenizer of the served model (known name, .gguf or HF directory); 'none' routes "
+    "without prompt keys.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8100, show_default=True)
+@click.option("--health-interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
+              help="Seconds between health checks of an engine.")  # fmt: skip
+@click.option("--max-attempts", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Engines tried for one request before its first byte is sent.")  # fmt: skip
+@click.option("--decode-cost-tokens", type=click.IntRange(min=0), default=256, show_default=True,
+              help="cache_aware: a request in flight costs as much as this many prompt tokens.")  # fmt: skip
+@click.option("--max-imbalance", type=click.IntRange(min=0), default=4, show_default=True,
+              help="cache_aware: never pick an engine this many requests busier than the idlest.")  # fmt: skip
+@click.option("--no-kv-events", is_flag=True, help="Do not follow the engines' /kv_events.")
+@click.option("--engine-api-key", envvar="KVTIER_ENGINE_API_KEY", show_envvar=True, default=None,
+              help="Bearer token sent to the engines (default: the client's, passed on).")  # fmt: skip
+@click.option("--log-level", default="warning", show_default=True, help="uvicorn's log level.")
+def router(**kw: Any) -> None:
+    """An OpenAI-compatible router in front of kvtier engines (or vLLM).
+
+    Sends each request to the engine that holds the longest prefix of its
+    prompt in G1 (learned from the engines' KV events), weighed against load;
+    takes engines that fail health checks out; retries a request on another
+    engine before its first byte. With --prefill and --decode engines it runs
+    prefill/decode disaggregation through the shared tier (docs/router.md).
+
+    \b
+    Example:
+      kvtier router --engine http://127.0.0.1:8001 --engine http://127.0.0.1:8002
+      kvtier router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002
+    """
+    from kvtier.engine.errors import EngineError
+    from kvtier.router.app import create_router_app, serve_router
+    from kvtier.router.prompt import load_router_tokenizer
+
+    model = None if kw["model"].lower() == "none" else kw["model"]
+    try:
+        specs = [EngineSpec(u, "both") for u in kw["engines"]]
+        specs += [EngineSpec(u, "prefill") for u in kw["prefills"]]
+        specs += [EngineSpec(u, "decode") for u in kw["decodes"]]
+        config = RouterConfig(
+            engines=tuple(specs),
+            policy=kw["policy"],
+            model=model,
+            health_interval_s=kw["health_interval"],
+            max_attempts=kw["max_attempts"],
+            decode_cost_tokens=kw["decode_cost_tokens"],
+            max_imbalance=kw["max_imbalance"],
+            kv_events=not kw["no_kv_events"],
+            engine_api_key=kw["engine_api_key"],
+        )
+    except RouterConfigError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        tokenizer = load_router_tokenizer(model) if model is not None else None
+    except EngineError as e:
+        raise click.ClickException(f"cannot load the tokenizer of {model!r}: {e}") from None
+    app = create_router_app(config, tokenizer)
+    mode = "P/D" if config.disaggregated else config.policy
+    click.echo(
+        f"routing ({mode}) to {len(specs)} engines on http://{kw['host']}:{kw['port']} "
+        "(OpenAI API under /v1; /health, /metrics); Ctrl-C or SIGTERM stops",
+        err=True,
+    )
+    try:
+        serve_router(app, kw["host"], kw["port"], kw["log_level"])
+    except OSError as e:
+        raise click.ClickException(str(e)) from None

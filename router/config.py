@@ -1,0 +1,113 @@
+"""The router's one typed configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Policy = Literal["round_robin", "least_loaded", "cache_aware"]
+POLICIES: tuple[Policy, ...] = ("round_robin", "least_loaded", "cache_aware")
+Role = Literal["both", "prefill", "decode"]
+
+
+class RouterConfigError(ValueError):
+    """A router option that cannot work (names the option)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine behind the router: its base URL and what it serves."""
+
+    url: str
+    role: Role = "both"
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise RouterConfigError(
+                f"engine URL must start with http:// or https://, got {self.url!r}"
+            )
+        object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
+        if self.role not in ("both", "prefill", "decode"):
+            raise RouterConfigError(
+                f"engine role must be both, prefill or decode, got {self.role!r}"
+            )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router routes.
+
+    Attributes:
+        engines: The engines, each with its role. With any ``prefill`` engine
+            the router runs P/D: a new request's prompt goes to a prefill
+            engine first (``max_tokens`` 1), then the request to a decode engine.
+        policy: How an engine is picked (``docs/router.md``).
+        model: Tokenizer source (a known model name, a ``.gguf`` file or an HF
+            directory): the router tokenizes prompts as the engines do. None:
+            no keys, so ``cache_aware`` falls back to load alone.
+        health_interval_s: Seconds between two health checks of an engine.
+        health_timeout_s: A health check slower than this fails.
+        connect_timeout_s: Connecting to an engine.
+        request_timeout_s: Longest silence from an engine on a request.
+        max_attempts: Engines tried for one request before its first byte is sent.
+        kv_events: Follow the engines' ``/kv_events``.
+        events_wait_s: Long-poll time of one ``/kv_events`` read.
+        decode_cost_tokens: ``cache_aware``: a request an engine is already
+            serving costs as much as this many prompt tokens to compute.
+        shared_hit_weight: ``cache_aware``: a prefix in the shared tier (any
+            engine loads it) is worth this fraction of the same prefix in G1.
+        max_imbalance: ``cache_aware``: an engine with this many more requests
+            in flight than the least loaded is never picked for its cache.
+        max_saved_keys: Shared-tier keys remembered (oldest forgotten).
+        engine_api_key: Sent to the engines as a bearer token (else the
+            client's ``Authorization`` header is passed on).
+    """
+
+    engines: tuple[EngineSpec, ...]
+    policy: Policy = "cache_aware"
+    model: str | None = None
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    max_attempts: int = 3
+    kv_events: bool = True
+    events_wait_s: float = 5.0
+    decode_cost_tokens: int = 256
+    shared_hit_weight: float = 0.8
+    max_imbalance: int = 4
+    max_saved_keys: int = 1_000_000
+    engine_api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise RouterConfigError("give at least one engine (--engine URL)")
+        urls = [e.url for e in self.engines]
+        if len(set(urls)) != len(urls):
+            raise RouterConfigError(f"an engine is listed twice: {urls}")
+        if self.policy not in POLICIES:
+            raise RouterConfigError(
+                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
+        roles = {e.role for e in self.engines}
+        if ("prefill" in roles) != ("decode" in roles):
+            raise RouterConfigError("P/D needs at least one prefill and one decode engine")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "request_timeout_s", "events_wait_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise RouterConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_attempts < 1 or self.max_imbalance < 0 or self.decode_cost_tokens < 0:
+            raise RouterConfigError(
+                "max_attempts >= 1, max_imbalance >= 0, decode_cost_tokens >= 0"
+            )
+        if not 0.0 <= self.shared_hit_weight <= 1.0:
+            raise RouterConfigError(
+                f"shared_hit_weight must be in [0, 1], got {self.shared_hit_weight}"
+            )
+        if self.max_saved_keys < 1:
+            raise RouterConfigError("max_saved_keys must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        """True when requests run as a prefill leg and a decode leg."""
+        return any(e.role == "prefill" for e in self.engines)
