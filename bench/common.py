@@ -6,11 +6,16 @@ JSON object with all its figures, so scripts and CI can parse the result.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,8 +68,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
-    import os
-
     import torch
 
     return {
@@ -90,3 +93,58 @@ def tune_allocator() -> bool:
 def emit(summary: dict[str, Any]) -> None:
     """Print the JSON summary as the last line."""
     print(json.dumps(summary, sort_keys=True))
+
+
+def load_average() -> tuple[float, float, float]:
+    """The host's 1-, 5- and 15-minute load averages."""
+    return os.getloadavg()
+
+
+# Keeps one core busy until its deadline (argv[1] seconds) or until its parent is gone.
+_SPIN = """
+import os, sys, time
+parent, end = os.getppid(), time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end and os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def busy_core(max_seconds: float) -> Iterator[int]:
+    """Keeps one core busy with a spinning subprocess for the ``with`` body; yields its PID.
+
+    The spinner ends by itself after ``max_seconds`` or once the benchmark's
+    process is gone (bounds should the benchmark die without cleaning up), and
+    is killed by PID when the body ends.
+    """
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(max_seconds)])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def drop_page_cache(root: str | os.PathLike[str]) -> int:
+    """Evicts every file under ``root`` from the page cache; returns how many files.
+
+    Each file is flushed first (``fdatasync``: dirty pages cannot be dropped),
+    then ``posix_fadvise(DONTNEED)`` drops its cached pages, so the next read
+    comes from the device.
+    """
+    count = 0
+    for path in Path(root).rglob("*"):
+        if not path.is_file():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # renamed or evicted meanwhile
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        count += 1
+    return count

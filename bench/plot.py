@@ -23,23 +23,39 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def plot_ttft(summary: dict[str, Any], out: Path) -> Path:
+    """TTFT p50 at random prompt lengths per path (min-max as whiskers), one bar per phase."""
     paths = [
         ("cold", "cold"),
         ("g1", "G1 hit (same engine)"),
         ("kvtier_cpu_raw", "kvtier CPU tier, raw"),
-        ("kvtier_cpu_int8", "kvtier CPU tier, int8"),
-        ("kvtier_disk_xproc_raw", "kvtier disk, new process, raw"),
-        ("kvtier_disk_xproc_int8", "kvtier disk, new process, int8"),
+        ("disk", "kvtier disk, new process"),
+        ("disk_dropped", "kvtier disk, new process,\npage cache dropped"),
     ]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for n, r in summary["sizes"].items():
-        values = [r[f"{k}_s"] * 1e3 for k, _ in paths]
-        bars = ax.barh([label for _, label in paths], values, label=f"{n} tokens")
-        ax.bar_label(bars, fmt="%.0f ms", padding=3)
+    phases = sorted(summary["phases"].values(), key=lambda p: p["contended"])  # quiet first
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    height = 0.8 / len(phases)
+    for i, phase in enumerate(phases):
+        stats = [phase["paths"][p]["random"] for p, _ in paths]
+        p50 = [s["p50_s"] * 1e3 for s in stats]
+        err = [
+            [v - s["min_s"] * 1e3 for v, s in zip(p50, stats, strict=True)],
+            [s["max_s"] * 1e3 - v for v, s in zip(p50, stats, strict=True)],
+        ]
+        ys = [j + i * height for j in range(len(paths))]
+        label = "one core busy" if phase["contended"] else "quiet"
+        bars = ax.barh(ys, p50, height, xerr=err, label=label, capsize=2)
+        ax.bar_label(bars, fmt="%.0f ms", padding=3, fontsize=8)
+    ax.set_yticks([j + height * (len(phases) - 1) / 2 for j in range(len(paths))])
+    ax.set_yticklabels([label for _, label in paths])
     ax.set_xscale("log")
     ax.invert_yaxis()
-    ax.set_xlabel(f"time to first token, ms (log scale; clock: {summary.get('clock', 'wall')})")
-    ax.set_title(f"TTFT on {summary['model']}, 2 vCPU")
+    lengths = phases[0]["groups"]["random"]
+    ax.set_xlabel("time to first token, ms (log scale; p50, whiskers min-max)")
+    ax.set_title(
+        f"TTFT on {summary['model']}, 2 vCPU, {len(lengths)} prompts of "
+        f"{min(lengths)}-{max(lengths)} tokens",
+        fontsize=10,
+    )
     ax.legend(loc="lower right")
     fig.tight_layout()
     path = out / "ttft.png"

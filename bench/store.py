@@ -72,7 +72,7 @@ def make_blocks(block_bytes: int, count: int, seed: int) -> list[tuple[bytes, by
     for i in range(count):
         kv.view(-1)[0] = float(i)  # distinct content per block
         key = (seed * 100003 + i).to_bytes(16, "little")
-        out.append((key, encode_block(kv)))
+        out.append((key, encode_block(kv, key=key)))
     return out
 
 

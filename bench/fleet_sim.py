@@ -1,0 +1,267 @@
+"""Fleet simulation: routing policies and P/D disaggregation over a shared KV tier, at scale.
+
+    python bench/fleet_sim.py --quick        # 64 engines, ~2,900 requests (~25 s on a 2-core CPU)
+    python bench/fleet_sim.py                # 256 engines, ~11,600 requests (minutes)
+    python bench/fleet_sim.py --profile gpu-8b --quick --sessions 3000   # ASSUMED GPU constants
+    python bench/fleet_sim.py --calibration calib.json    # engine constants from fleet_calibrate.py
+
+A discrete-event simulation (``fleet_model.py``) of N engines behind a router,
+each a continuous-batching step loop over its own KV memory (G1), optionally
+sharing a KV tier of given bandwidth, latency and capacity. Per-engine costs
+come from this project's measurements (``fleet_costs.py``; docs/fleet.md has
+every constant and its source). The workload is multi-turn sessions over
+Zipf-popular prefixes (``fleet_workload.py``), the same for every
+configuration. Every mode (``colocated``, ``colocated+tier``, ``pd+tier``,
+``pd-direct``) runs with every policy (``round_robin``, ``least_loaded``,
+``cache_aware``); a sweep over engine counts (sessions scaled alike) gives the
+hit-rate plot. Plots go to ``bench/plots/fleet-ttft.png`` and
+``fleet-hit-rate.png``. A table, then one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, table
+from fleet_costs import PROFILES, Profile, load_profile
+from fleet_metrics import summarize
+from fleet_model import MODES, FleetSpec, run_fleet
+from fleet_router import POLICIES
+from fleet_workload import WorkloadSpec, build_sessions
+
+SWEEP_MODES = ("colocated", "colocated+tier")
+
+
+def _csv(text: str, known: tuple[str, ...]) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in known]
+    if bad:
+        raise SystemExit(f"unknown {bad}; known: {', '.join(known)}")
+    return items
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="64 engines, 1,000 sessions")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="cpu-smollm2")
+    ap.add_argument("--calibration", type=Path, help="bench/fleet_calibrate.py output")
+    ap.add_argument("--engines", type=int, help="default 64 (--quick) / 256")
+    ap.add_argument("--sessions", type=int, help="default 1,000 (--quick) / 4,000")
+    ap.add_argument("--rate", type=float, help="new sessions per second per engine")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--sweep", help="engine counts for the hit-rate plot, or 'none'")
+    ap.add_argument("--prefixes", type=int, default=200)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--prefill-fraction", type=float, default=0.25)
+    ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--imbalance", type=int, default=4)
+    ap.add_argument("--save-decode", action="store_true")
+    ap.add_argument("--tier-gbps", type=float, help="aggregate tier bandwidth (inf allowed)")
+    ap.add_argument("--link-gbps", type=float, help="per-engine link bandwidth")
+    ap.add_argument("--tier-latency-ms", type=float)
+    ap.add_argument("--tier-gb", type=float, help="tier capacity")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plots", default=str(Path(__file__).resolve().parent / "plots"))
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    args.engines = args.engines or (64 if args.quick else 256)
+    args.sessions = args.sessions or (1000 if args.quick else 4000)
+    if args.sweep is None:
+        args.sweep = "8,16,32,64" if args.quick else "32,64,128,256"
+    args.sweep_engines = [] if args.sweep == "none" else [int(s) for s in args.sweep.split(",")]
+    args.mode_list = _csv(args.modes, MODES)
+    args.policy_list = _csv(args.policies, POLICIES)
+    return args
+
+
+def build_profile(args: argparse.Namespace) -> Profile:
+    """The profile with the command line's tier overrides applied."""
+    profile = load_profile(args.profile, args.calibration)
+    tier = profile.tier
+    overrides = {
+        "aggregate_gbps": args.tier_gbps,
+        "link_gbps": args.link_gbps,
+        "latency_s": None if args.tier_latency_ms is None else args.tier_latency_ms / 1e3,
+        "capacity_gb": args.tier_gb,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given:
+        tier = replace(tier, **given)
+        profile = replace(profile, tier=tier)
+    return profile
+
+
+def workload(args: argparse.Namespace, profile: Profile, engines: int) -> WorkloadSpec:
+    """Sessions for ``engines`` engines: count and arrival rate scale with the fleet."""
+    rate = args.rate if args.rate is not None else profile.session_rate_per_engine
+    return WorkloadSpec(
+        sessions=max(1, round(args.sessions * engines / args.engines)),
+        session_rate=rate * engines,
+        prefixes=args.prefixes,
+        zipf_s=args.zipf,
+        answer_tokens=profile.answer_tokens,
+        seed=args.seed,
+    )
+
+
+def fleet_spec(args: argparse.Namespace, engines: int, mode: str, policy: str) -> FleetSpec:
+    return FleetSpec(
+        engines=engines,
+        mode=mode,
+        policy=policy,
+        prefill_fraction=args.prefill_fraction,
+        alpha=args.alpha,
+        imbalance=args.imbalance,
+        save_decode=args.save_decode,
+    )
+
+
+def run_grid(
+    args: argparse.Namespace, profile: Profile, engines: int, modes: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Every (mode, policy) on one workload for ``engines`` engines."""
+    sessions = build_sessions(workload(args, profile, engines))
+    out = {}
+    for mode in modes:
+        for policy in args.policy_list:
+            res = run_fleet(
+                profile.engine, profile.tier, fleet_spec(args, engines, mode, policy), sessions
+            )
+            out[f"{mode}/{policy}"] = summarize(res)
+    return out
+
+
+def _row(name: str, r: dict[str, Any]) -> list[Any]:
+    t = r["tier"]
+    return [
+        name,
+        r["requests_per_s"],
+        r["hit_rate"]["g1"],
+        r["hit_rate"]["tier"],
+        r["hit_rate"]["total"],
+        r["ttft"]["p50_ms"],
+        r["ttft"]["p99_ms"],
+        r["itl"]["p50_ms"],
+        r["itl"]["p99_ms"],
+        f"{t['read']['mean_gbps']:.2f} / {t['read']['p99_gbps']:.2f}",
+        f"{t['write']['mean_gbps']:.2f} / {t['write']['p99_gbps']:.2f}",
+        f"{t['peer']['mean_gbps']:.2f} / {t['peer']['p99_gbps']:.2f}",
+        f"{r['handoff']['p50_ms']:.0f} / {r['handoff']['p99_ms']:.0f}" if "handoff" in r else "-",
+        r["utilisation"]["mean"],
+        r["max_engine_share"],
+    ]
+
+
+HEADERS = [
+    "mode/policy",
+    "req/s",
+    "hit G1",
+    "hit tier",
+    "hit total",
+    "TTFT p50 ms",
+    "TTFT p99",
+    "ITL p50 ms",
+    "ITL p99",
+    "tier read GB/s mean/p99",
+    "tier write",
+    "peer (P/D direct)",
+    "handoff ms p50/p99",
+    "util",
+    "max share",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    profile = build_profile(args)
+    t0 = time.perf_counter()
+    results = run_grid(args, profile, args.engines, args.mode_list)
+    sweep: dict[str, list[dict[str, Any]]] = {}
+    sweep_modes = [m for m in SWEEP_MODES if m in args.mode_list]
+    for n in args.sweep_engines:
+        grid = (
+            {k: v for k, v in results.items() if k.split("/")[0] in sweep_modes}
+            if n == args.engines
+            else run_grid(args, profile, n, sweep_modes)
+        )
+        for name, r in grid.items():
+            sweep.setdefault(name, []).append(
+                {"engines": n, "hit_rate": r["hit_rate"], "ttft": r["ttft"]}
+            )
+    wall = time.perf_counter() - t0
+
+    wl = workload(args, profile, args.engines)
+    e, tier = profile.engine, profile.tier
+    print((__doc__ or "").split("\n")[0])
+    print(
+        f"profile {profile.name}: step = {e.costs.base_s * 1e3:.1f} ms + "
+        f"{e.costs.prefill_s_per_token * 1e6:.1f} us/prompt token + "
+        f"{e.costs.attn_s_per_pair * 1e9:.3g} ns/attention pair + "
+        f"{e.costs.decode_s_per_seq * 1e3:.2f} ms/decode seq + "
+        f"{e.costs.decode_s_per_ctx * 1e9:.3g} ns/context token; KV {e.kv_bytes_per_token} B/token, "
+        f"G1 {e.g1_capacity_tokens} tokens"
+    )
+    print(
+        f"tier: {tier.aggregate_gbps:g} GB/s aggregate, {tier.link_gbps:g} GB/s per engine, "
+        f"{tier.latency_s * 1e3:g} ms per transfer, {tier.capacity_gb:g} GB"
+    )
+    first = next(iter(results.values()))
+    print(
+        f"{args.engines} engines; {wl.sessions} sessions at {wl.session_rate:.3g}/s, "
+        f"{first['requests']} requests; {wl.prefixes} prefixes, Zipf {wl.zipf_s:g}; "
+        f"P/D prefill pool {fleet_spec(args, args.engines, 'pd+tier', 'round_robin').prefill_engines} "
+        f"engines; simulated in {wall:.1f} s"
+    )
+    print(table(HEADERS, [_row(k, v) for k, v in results.items()]))
+    if sweep:
+        print("\nhit rate (total, G1) vs engines:")
+        rows = [
+            [name] + [f"{p['hit_rate']['total']:.2f} ({p['hit_rate']['g1']:.2f})" for p in pts]
+            for name, pts in sweep.items()
+        ]
+        print(table(["mode/policy"] + [str(n) for n in args.sweep_engines], rows))
+
+    summary: dict[str, Any] = {
+        "bench": "fleet_sim",
+        "quick": args.quick,
+        "wall_s": wall,
+        "config": {
+            "profile": profile.name,
+            "engine": asdict(e),
+            "tier": asdict(tier),
+            "sources": dict(profile.sources),
+            "workload": asdict(wl),
+            "fleet": {
+                k: v
+                for k, v in asdict(
+                    fleet_spec(args, args.engines, "colocated", "cache_aware")
+                ).items()
+                if k not in ("mode", "policy")
+            },
+        },
+        "results": results,
+        "sweep": {"engines": args.sweep_engines, "results": sweep} if sweep else None,
+    }
+    if not args.no_plots:
+        from fleet_plots import plot_hit_rate, plot_ttft
+
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [plot_ttft(summary, out)]
+        if sweep:
+            paths.append(plot_hit_rate(summary, out))
+        summary["plots"] = [str(p) for p in paths]
+        print("\nplots: " + ", ".join(str(p) for p in paths))
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()

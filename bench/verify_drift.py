@@ -1,0 +1,165 @@
+"""How far a correct block is from its recomputation: the margin of sampled verification.
+
+    python bench/verify_drift.py --quick    # 2 chunks of 128 (about a minute on 2 cores)
+    python bench/verify_drift.py            # 4 chunks of 256, every split point
+
+For each stored encoding (raw, int8, fp8_e4m3) an engine (its own prefix
+cache off) computes a prompt and saves its chunks in that encoding. Then,
+for each split point s, the prompt runs again with chunk s sampled for
+verification: the engine loads chunks ``0..s-1`` (decoded, dequantized),
+computes the rest, and the connector's verifier compares every recomputed
+chunk with its stored block (:func:`kvtier.connectors.verify.compare_chunk`:
+the worst (layer, K/V) plane's relative RMS error, against the encoding's
+tolerance). ``margin`` = tolerance / worst error ("exact": bit-exact).
+
+A table, then one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine, table
+
+from kvtier.config import KvtierConfig
+from kvtier.connectors.kvtier_connector import KvtierConnector
+from kvtier.engine import LLM, SamplingParams
+from kvtier.keys import PrefixKeys
+from kvtier.store import TieredStore
+from kvtier.tiers.cpu import CpuTier
+
+DEFAULT_MODEL = Path("~/.cache/kvtier/models/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def measure(
+    model: str, dtype: str, encoding: str, chunk: int, chunks: int, splits: list[int], seed: int
+) -> list[dict[str, Any]]:
+    """The verifier's verdict on each recomputed chunk, per split point."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, 20000, (chunks * chunk + 5,), generator=g).tolist()
+    store = TieredStore([CpuTier(4 << 30)])
+    cfg = KvtierConfig(chunk_size=chunk, block={"encoding": encoding})
+    target: list[bytes | None] = [None]  # the one key sampled by the next request
+    conn = KvtierConnector(config=cfg, store=store, verify_sampler=lambda key: key == target[0])
+    # G1 off: every run of the prompt looks its chunks up in kvtier
+    llm = LLM(
+        model,
+        dtype=dtype,
+        device="cpu",
+        block_size=16,
+        enable_prefix_caching=False,
+        connector=conn,
+    )
+    llm.generate([prompt], ONE)  # nothing stored yet: computes and saves every chunk
+    conn.flush()
+    assert conn.namespace is not None and conn.verifier is not None
+    keys = PrefixKeys(conn.namespace, cfg.block_tokens)
+    keys.extend(prompt)
+    chunk_keys = [keys.key((c + 1) * chunk) for c in range(chunks)]
+    rows = []
+    for split in splits:
+        target[0] = chunk_keys[split]
+        seen = len(conn.verifier.recent)
+        out = llm.generate([prompt], ONE)[0]
+        conn.flush()
+        for key, v in list(conn.verifier.recent)[seen:]:
+            rows.append(
+                {
+                    "encoding": encoding,
+                    "loaded_chunks": split,
+                    "loaded_tokens": out.num_external_tokens,
+                    "chunk": chunk_keys.index(key) if key in chunk_keys else "tail",
+                    "error": v.error,
+                    "layer": v.layer,
+                    "kv": "KV"[v.kv] if v.kv >= 0 else "",
+                    "tolerance": v.tolerance,
+                    "ok": v.ok,
+                }
+            )
+    llm.engine.shutdown()
+    store.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quick", action="store_true", help="2 chunks of 128, one split")
+    ap.add_argument("--seed", type=int, default=5)
+    args = ap.parse_args()
+    chunk, chunks = (128, 2) if args.quick else (256, 4)
+    splits = [1] if args.quick else list(range(1, chunks))
+    rows: list[dict[str, Any]] = []
+    for encoding in ("raw", "int8", "fp8_e4m3"):
+        rows += measure(args.model, args.dtype, encoding, chunk, chunks, splits, args.seed)
+    print(f"model {args.model} ({args.dtype}), chunk {chunk}, {chunks} chunks + 5 tokens")
+    print(
+        table(
+            ["encoding", "loaded", "chunk", "worst error", "at", "tolerance", "ok"],
+            [
+                [
+                    r["encoding"],
+                    r["loaded_chunks"],
+                    r["chunk"],
+                    r["error"],
+                    f"layer {r['layer']} {r['kv']}" if r["layer"] >= 0 else "-",
+                    r["tolerance"],
+                    r["ok"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+    summary = {}
+    for encoding in ("raw", "int8", "fp8_e4m3"):
+        mine = [r for r in rows if r["encoding"] == encoding]
+        worst = max(r["error"] for r in mine)
+        summary[encoding] = {
+            "worst_error": worst,
+            "tolerance": mine[0]["tolerance"],
+            "margin": (mine[0]["tolerance"] / worst) if worst > 0 else None,  # None: bit-exact
+            "all_ok": all(r["ok"] for r in mine),
+        }
+    print()
+    print(
+        table(
+            ["encoding", "worst error", "tolerance", "margin"],
+            [
+                [
+                    e,
+                    s["worst_error"],
+                    s["tolerance"],
+                    "exact" if s["margin"] is None else s["margin"],
+                ]
+                for e, s in summary.items()
+            ],
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": args.dtype,
+                "chunk": chunk,
+                "chunks": chunks,
+                "summary": summary,
+                "rows": rows,
+                "machine": machine(),
+            },
+            default=str,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""bench/serve.py end to end against the fake server, and the systems it knows (nothing started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import serve
+from serve_systems import (
+    SMOLLM2_KV_BYTES_PER_TOKEN,
+    SystemOptions,
+    SystemSpec,
+    SystemUnavailable,
+    running_system,
+    tier_config,
+)
+
+from kvtier.config import load_config
+from tests.bench.fake_openai import FakeOpenAI
+
+SYSTEM_KEYS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "requests_per_s",
+    "hit_rate",
+    "requests",
+)
+
+
+def test_small_budget_is_the_same_tokens_for_both_engines() -> None:
+    opts = SystemOptions(small_kv_blocks=56)
+    assert SMOLLM2_KV_BYTES_PER_TOKEN == 23_040
+    assert opts.small_kv_bytes == 56 * 128 * 23_040
+    # kvtier's engine divides the bytes into 16-token blocks: exactly 56 * 8 of them
+    assert opts.small_kv_bytes % (16 * SMOLLM2_KV_BYTES_PER_TOKEN) == 0
+    assert opts.big_kv_bytes == 1 << 30
+
+
+def test_a_context_must_fit_in_the_small_budget_less_the_block_vllm_keeps() -> None:
+    SystemOptions(small_kv_blocks=25, max_model_len=3072)  # 24 usable blocks: exactly 3072
+    with pytest.raises(ValueError, match="usable tokens"):
+        SystemOptions(small_kv_blocks=24, max_model_len=3072)
+
+
+def test_system_names() -> None:
+    spec = SystemSpec.named("kvtier_small_g1_cpu_tier")
+    assert (spec.engine, spec.small, spec.tier) == ("kvtier", True, "cpu")
+    assert SystemSpec.named("vllm_small_kv").engine == "vllm"
+    with pytest.raises(ValueError, match="unknown system"):
+        SystemSpec.named("sglang")
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "server"])
+def test_tier_configs_validate(tmp_path: Path, tier: str) -> None:
+    path = tier_config(tier, SystemOptions(), tmp_path, "127.0.0.1:50051")  # type: ignore[arg-type]
+    config = load_config(path, env={})
+    assert [t.type for t in config.tiers] == [{"server": "remote"}.get(tier, tier)]
+
+
+def test_missing_vllm_is_a_skip(tmp_path: Path) -> None:
+    opts = SystemOptions(vllm_venv=tmp_path / "no-such-venv")
+    with pytest.raises(SystemUnavailable), running_system(SystemSpec.named("vllm"), opts, tmp_path):
+        pass
+
+
+@pytest.mark.smollm2
+def test_target_run_prints_the_json_line_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with FakeOpenAI(tokens=4) as fake:
+        serve.main(
+            [
+                "--target", fake.url, "--users", "2", "--rounds", "2", "--qps", "50",
+                "--system-tokens", "40", "--context-tokens", "30", "--answer-tokens", "4",
+                "--plots-dir", str(tmp_path), "--records", str(tmp_path / "records.jsonl"),
+            ]
+        )  # fmt: skip
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    target = summary["systems"]["target"]
+    assert all(k in target for k in SYSTEM_KEYS)
+    assert target["requests"] == 4 and target["errors"] == 0
+    assert target["model"] == "fake"  # from /v1/models
+    assert target["hit_rate_source"] == "metrics"
+    assert target["hit_rate"] == pytest.approx(target["hit_rate_usage"], abs=0.01)
+    assert summary["workload"]["users"] == 2
+    assert (tmp_path / "serve-ttft-cdf.png").stat().st_size > 0
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.smollm2
+def test_sweep_plots_ttft_against_qps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeOpenAI(tokens=3) as fake:
+        serve.main(
+            [
+                "--target", fake.url, "--users", "2", "--rounds", "1", "--sweep-qps", "20,40",
+                "--system-tokens", "20", "--context-tokens", "20", "--answer-tokens", "3",
+                "--plots-dir", str(tmp_path),
+            ]
+        )  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [p["qps"] for p in summary["sweep"]["target"]] == [20.0, 40.0]
+    assert (tmp_path / "serve-ttft-vs-qps.png").stat().st_size > 0
