@@ -2,7 +2,9 @@
 # KV connector. docker-compose.yml builds it and points it at Aerospike.
 #
 #   docker build -t kvtier .
-#   docker run -p 8000:8000 -v $PWD/deploy/kvtier/kvtier-aerospike.yaml:/etc/kvtier/kvtier.yaml:ro kvtier
+#   docker run -p 127.0.0.1:8000:8000 -e KVTIER_API_KEY \
+#     -v $PWD/deploy/kvtier/kvtier-aerospike.yaml:/etc/kvtier/kvtier.yaml:ro kvtier
+# (with KVTIER_API_KEY set, every request but /health and /metrics needs it as a Bearer token)
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \

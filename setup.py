@@ -13,6 +13,7 @@ ROOTS = {
     "kvtier.engine": "engine",
     "kvtier.connectors": "connectors",
     "kvtier.server": "server",
+    "kvtier.router": "router",
 }
 
 
