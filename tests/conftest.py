@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.timeouts import SCALE_ENV, timeout_scale
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _import_installed_kernels() -> None:
+    """Binds ``kernels`` to the installed distribution, not to this repository's ``kernels/``.
+
+    pytest puts the repository root on ``sys.path``, where ``kernels/`` (installed
+    as ``kvtier.kernels``) would answer ``import kernels``. transformers >= 5.25
+    imports Hugging Face's ``kernels`` distribution whenever it is installed, and
+    failed on ours. Nothing in the project imports the bare name.
+    """
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None or "kernels" in sys.modules:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:  # a broken optional package: transformers reports it itself
+        del sys.modules["kernels"]
+
+
+_import_installed_kernels()
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -23,6 +53,11 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    # NOTE: also fails the session early on a bad value (timeout_scale raises).
+    return f"{SCALE_ENV}={timeout_scale():g} (tests/support/timeouts.py: waits on real I/O)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
