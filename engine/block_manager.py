@@ -2,12 +2,17 @@
 
 A block is identified by the chained hash of the tokens it holds::
 
-    hash_0 = xxh3_64(SEED_LE64 || int32-LE tokens of block 0)
-    hash_i = xxh3_64(hash_{i-1} as LE64 || int32-LE tokens of block i)
+    hash_0 = SHA-256(SEED || int32-LE tokens of block 0)
+    hash_i = SHA-256(hash_{i-1} || int32-LE tokens of block i)
 
-so equal hashes mean equal prefixes (the tokens are compared too, so a hash
-collision is a miss, never wrong KV). Only full, computed blocks are
-registered. A freed block keeps its hash and contents in an LRU free list
+so equal hashes mean equal prefixes. A match is also checked against what
+the cache recorded: the block's own tokens, and that its parent is the block
+matched just before it, so even a hash collision is a miss, never another
+prompt's KV. The hash is cryptographic because prompts are chosen by
+clients: with a 64-bit non-cryptographic hash a client could craft a prompt
+whose blocks collide with another tenant's (vLLM moved to SHA-256 for this,
+CVE-2025-25183); hashing costs ~0.3 us per 16-token block. Only full,
+computed blocks are registered. A freed block keeps its hash and contents in an LRU free list
 and can be revived by a later request until it is handed out again.
 
     free list (LRU order):  [oldest freed ... most recently freed]
@@ -18,24 +23,23 @@ and can be revived by a later request until it is handed out again.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import xxhash
 
 from kvtier.engine.request import Request
 
-_HASH_SEED = 0x6B76_7469_6572  # "kvtier"
+_HASH_SEED = b"kvtier engine prefix cache v2".ljust(32, b"\0")
 
 
-def chain_hash(prev: int | None, tokens: list[int]) -> int:
+def chain_hash(prev: bytes | None, tokens: list[int]) -> bytes:
     """Hash of one full block given the hash of the block before it."""
-    h = xxhash.xxh3_64()
-    h.update(((_HASH_SEED if prev is None else prev) & (2**64 - 1)).to_bytes(8, "little"))
+    h = hashlib.sha256(_HASH_SEED if prev is None else prev)
     h.update(np.asarray(tokens, dtype="<i4").tobytes())
-    return h.intdigest()
+    return h.digest()
 
 
 class BlockListener(Protocol):
@@ -54,8 +58,9 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     tokens: tuple[int, ...] | None = None
+    parent: int | None = None  # the registered block before it when it was registered
 
 
 class BlockManager:
@@ -77,7 +82,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
         self._num_cached_free = 0  # free blocks that still hold a registered prefix
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -104,7 +109,7 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def _request_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def _request_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes, computed once and kept on the request."""
         hashes = request.block_hashes
         bs = self.block_size
@@ -132,7 +137,9 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.tokens != tuple(request.token_ids[i * bs : (i + 1) * bs]):
+            if block.parent != (hit[-1] if hit else None) or block.tokens != tuple(
+                request.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break  # hash collision: treat as a miss
             hit.append(block_id)
         return hit
@@ -184,6 +191,7 @@ class BlockManager:
                     self.listener.evicted(block_id)
             block.hash = None
             block.tokens = None
+            block.parent = None
         block.ref_count = 1
         return block_id
 
@@ -232,6 +240,7 @@ class BlockManager:
             if block.hash is None and h not in self._hash_to_block:
                 block.hash = h
                 block.tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
+                block.parent = self._hash_to_block.get(hashes[i - 1]) if i else None
                 self._hash_to_block[h] = block.block_id
                 if self.listener is not None:
                     self.listener.stored(request.request_id, request.token_ids, i, block.block_id)

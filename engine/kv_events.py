@@ -7,7 +7,7 @@ Three kinds of event, each a batch of 16-byte keys (``kvtier.keys``):
 * ``saved``: objects the kvtier connector queued for the shared tier.
 
 NOTE: the keys are kvtier's content addresses, not the block manager's own
-xxh3_64 chain: a G1 block ending at token ``e`` is named by
+chain: a G1 block ending at token ``e`` is named by
 ``PrefixKeys(namespace).key(e)``, the key a tier object ending at ``e``
 would have, so a router computes one set of keys from a prompt and compares
 them with every engine's G1 and with the shared tier alike

@@ -49,7 +49,7 @@ class Request:
         # KV bookkeeping (scheduler / block manager)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of full token blocks
+        self.block_hashes: list[bytes] = []  # chained hashes of full token blocks
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None  # G1 hit at first admission
         self.num_external_tokens = 0

@@ -113,3 +113,25 @@ def test_chain_hash_depends_on_prefix_and_tokens() -> None:
     assert h0 == chain_hash(None, [1, 2, 3, 4])
     assert h0 != chain_hash(None, [1, 2, 3, 5])
     assert chain_hash(h0, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])
+
+
+def test_a_colliding_hash_is_a_miss_not_another_prompts_kv(monkeypatch) -> None:
+    """With a hash that ignores the prefix, a block cached under another prefix is not served."""
+    import kvtier.engine.block_manager as block_manager
+
+    monkeypatch.setattr(
+        block_manager, "chain_hash", lambda prev, tokens: bytes(str(tokens), "ascii")
+    )
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    d = make_request("d", [9, 9, 9, 9, 7, 7, 7, 7, 0])
+    for r in (a, d):
+        bm.allocate(r, [], 9)
+        _computed(bm, r, 9)
+    # a's first block, then d's second: the weak hash of block 1 collides with d's
+    mixed = make_request("m", [1, 2, 3, 4, 7, 7, 7, 7, 0])
+    assert bm.find_cached_prefix(mixed) == a.block_ids[:1]
+    assert bm.find_cached_prefix(make_request("a2", [1, 2, 3, 4, 5, 6, 7, 8, 1])) == a.block_ids[:2]
+    for r in (a, d):
+        bm.free(r)
+    bm.check_integrity([])
