@@ -10,23 +10,18 @@ slow store never stalls a forward pass.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.block import Compression, Encoding, encode_block
-from kvtier.errors import KvtierError
+from kvtier.connectors.queue_worker import QueueWorker
 from kvtier.kernels import QuantizedChunk, quantize_chunk
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
-from kvtier.writer import close_at_exit, lower_thread_priority
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ class SaveStats:
     chunks_failed: int = 0
 
 
-class ChunkSaver:
+class ChunkSaver(QueueWorker[_Pending]):
     """Encodes and stores chunks from a background thread.
 
     Args:
@@ -70,46 +65,25 @@ class ChunkSaver:
         self._encoding = encoding
         self._compression = compression
         self._metrics = metrics
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
         self.stats = SaveStats()
-        self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
-        self._thread.start()
-        self._closed = False
-        close_at_exit(self, timeout=30.0)
+        super().__init__("kvtier-saver", max_queue)
 
     def submit(
         self, key: bytes, chunk: torch.Tensor | QuantizedChunk, kv_dtype: torch.dtype
     ) -> bool:
         """Queue a chunk: ``[L, 2, T, H, D]`` in ``kv_dtype``, or already quantized from it."""
-        try:
-            self._queue.put_nowait(_Pending(key, chunk, kv_dtype))
+        if self._offer(_Pending(key, chunk, kv_dtype)):
             return True
-        except queue.Full:
-            self.stats.chunks_dropped += 1
-            self._metrics.queue_dropped.labels("connector").inc()
-            return False
+        self.stats.chunks_dropped += 1
+        self._metrics.queue_dropped.labels("connector").inc()
+        return False
 
     def flush(self, timeout: float) -> bool:
         """Wait until queued chunks are stored; ``False`` on timeout."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
+        if not self._drain(deadline):
+            return False
         return self._store.flush(max(0.0, deadline - time.monotonic()))
-
-    def close(self, timeout: float) -> None:
-        """Store what is queued (up to ``timeout``), then stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self.flush(timeout)
-        try:
-            self._queue.put(_STOP, timeout=1.0)
-        except queue.Full:
-            log.warning("kvtier saver: queue still full at shutdown; abandoning it")
-            return
-        self._thread.join(timeout=5.0)
 
     def encode(
         self, key: bytes, chunk: torch.Tensor | QuantizedChunk, kv_dtype: torch.dtype
@@ -128,22 +102,13 @@ class ChunkSaver:
             compression=self._compression,
         )
 
-    def _run(self) -> None:
-        lower_thread_priority()  # encoding must not slow the forward pass down
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                assert isinstance(item, _Pending)
-                key, chunk, kv_dtype = item.key, item.chunk, item.kv_dtype
-                with self._metrics.time_stage("save"):
-                    block = self.encode(key, chunk, kv_dtype)
-                    self._store.put([(key, block)])
-                self.stats.chunks_saved += 1
-                self.stats.bytes_saved += len(block)
-            except (KvtierError, ValueError, RuntimeError) as e:
-                self.stats.chunks_failed += 1
-                log.warning("kvtier saver: could not save a chunk: %s", e)
-            finally:
-                self._queue.task_done()
+    def _handle(self, item: _Pending) -> None:
+        with self._metrics.time_stage("save"):
+            block = self.encode(item.key, item.chunk, item.kv_dtype)
+            self._store.put([(item.key, block)])
+        self.stats.chunks_saved += 1
+        self.stats.bytes_saved += len(block)
+
+    def _failed(self, item: _Pending, error: Exception) -> None:
+        self.stats.chunks_failed += 1
+        log.warning("kvtier saver: could not save a chunk: %s", error)

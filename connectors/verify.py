@@ -38,7 +38,6 @@ or positions is off by ~100 %.
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import time
@@ -49,11 +48,11 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.block import BlockSpec, Encoding, decode_block
+from kvtier.connectors.queue_worker import QueueWorker
 from kvtier.errors import CorruptBlockError, KvtierError
 from kvtier.kernels import dequantize_chunk
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
-from kvtier.writer import close_at_exit, lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,6 @@ _QUANTIZED_TOLERANCE = {Encoding.INT8: 0.10, Encoding.FP8_E4M3: 0.20}
 Sampler = Callable[[bytes], bool]
 """Decides, for one loadable object's key, whether it is verified this time."""
 
-_STOP = object()
 _RECENT = 256
 
 
@@ -224,7 +222,7 @@ class _Check:
     computed: torch.Tensor
 
 
-class ChunkVerifier:
+class ChunkVerifier(QueueWorker[_Check]):
     """Fetches stored blocks and compares them with computed chunks, on its own thread.
 
     Args:
@@ -251,45 +249,17 @@ class ChunkVerifier:
         self._quarantine = quarantine
         self._metrics = metrics
         self._timeout = fetch_timeout_s
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queue)
         self.stats = VerifyStats()
         self.recent: deque[tuple[bytes, Verdict]] = deque(maxlen=_RECENT)
         """The last comparisons, newest last (for logs, benchmarks and tests)."""
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-verify", daemon=True)
-        self._thread.start()
-        close_at_exit(self, timeout=30.0)
+        super().__init__("kvtier-verify", max_queue)
 
     def submit(self, key: bytes, computed: torch.Tensor) -> bool:
         """Queues a computed chunk (a CPU copy the caller no longer writes) for comparison."""
-        try:
-            self._queue.put_nowait(_Check(key, computed))
+        if self._offer(_Check(key, computed)):
             return True
-        except queue.Full:
-            self._count("dropped")
-            return False
-
-    def flush(self, timeout: float) -> bool:
-        """Waits until every queued chunk is compared; ``False`` on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
-        return True
-
-    def close(self, timeout: float) -> None:
-        """Compares what is queued (up to ``timeout``), then stops the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self.flush(timeout)
-        try:
-            self._queue.put(_STOP, timeout=1.0)
-        except queue.Full:
-            log.warning("kvtier verifier: queue still full at shutdown; abandoning it")
-            return
-        self._thread.join(timeout=5.0)
+        self._count("dropped")
+        return False
 
     def _count(self, outcome: str) -> None:
         field = {
@@ -302,7 +272,7 @@ class ChunkVerifier:
         setattr(self.stats, field, getattr(self.stats, field) + 1)
         self._metrics.verify_checks.labels(outcome).inc()
 
-    def _check(self, item: _Check) -> None:
+    def _handle(self, item: _Check) -> None:
         try:
             block = self._store.get([item.key], deadline=time.monotonic() + self._timeout)[0]
         except KvtierError as e:  # the store turns tier failures into misses; this is a bug guard
@@ -330,20 +300,6 @@ class ChunkVerifier:
             self._quarantine.ttl_s,
         )
 
-    def _run(self) -> None:
-        lower_thread_priority()  # comparing must not slow the forward pass down
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                assert isinstance(item, _Check)
-                self._check(item)
-            except (
-                ValueError,
-                RuntimeError,
-            ) as e:  # a torch failure: the check is lost, not the thread
-                log.warning("kvtier verifier: check failed: %s", e)
-                self._count("error")
-            finally:
-                self._queue.task_done()
+    def _failed(self, item: _Check, error: Exception) -> None:
+        log.warning("kvtier verifier: check failed: %s", error)  # a torch failure: one check lost
+        self._count("error")
