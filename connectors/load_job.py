@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.connectors.prefix import ObjectRef
 from kvtier.errors import KvtierError
@@ -69,10 +70,11 @@ def fetch_groups(n: int) -> list[tuple[int, int]]:
 
 
 Fetch = concurrent.futures.Future[list[bytes | None]]
+Lookup = concurrent.futures.Future[list[bool]]
 
 
 class Fetcher:
-    """A bounded pool of I/O threads for ``store.get``, with a wake-up for waiters.
+    """A bounded pool of I/O threads for ``store.get`` and ``store.contains``, with a wake-up.
 
     Args:
         store: Where blocks come from.
@@ -86,7 +88,8 @@ class Fetcher:
             max_workers=workers, thread_name_prefix="kvtier-load"
         )
         self._lock = threading.Lock()
-        self._stuck: set[Fetch] = set()  # abandoned while running: they hold a thread
+        # abandoned while running: they hold a thread
+        self._stuck: set[concurrent.futures.Future[Any]] = set()
         self.wakeup = threading.Event()  # set whenever a fetch ends
 
     @property
@@ -107,7 +110,13 @@ class Fetcher:
         future.add_done_callback(self._done)
         return future
 
-    def abandon(self, future: Fetch) -> None:
+    def submit_contains(self, keys: list[bytes], deadline: float) -> Lookup:
+        """Starts ``store.contains(keys, deadline=deadline)`` on a pool thread (a lookup)."""
+        future = self._pool.submit(self._contains, keys, deadline)
+        future.add_done_callback(self._done)
+        return future
+
+    def abandon(self, future: concurrent.futures.Future[Any]) -> None:
         """Gives up on a fetch: cancelled if it has not started, else counted as stuck until it ends."""
         if future.cancel() or future.done():
             return
@@ -122,7 +131,12 @@ class Fetcher:
             return [None] * len(keys)  # queued past its deadline: do no I/O
         return self._store.get(keys, deadline=deadline)
 
-    def _done(self, future: Fetch) -> None:
+    def _contains(self, keys: list[bytes], deadline: float) -> list[bool]:
+        if time.monotonic() >= deadline:
+            return [False] * len(keys)
+        return self._store.contains(keys, deadline=deadline)
+
+    def _done(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._stuck.discard(future)
         self.wakeup.set()

@@ -28,7 +28,7 @@ Order of calls in one engine step::
     get_finished() -> LoadOutcome      # only while async loads are pending
     scheduler.schedule()
       └─ for each newly admitted request:
-           get_num_new_matched_tokens(req, num_g1_tokens) -> n | (n, async)
+           get_num_new_matched_tokens(req, num_g1_tokens) -> n | (n, async) | None (pending)
            (blocks allocated for the whole prompt)
            update_state_after_alloc(req, block_ids, n)
     start_load_kv(LoadMetadata)        # when some request has n > 0 (both kinds)
@@ -195,12 +195,16 @@ class KVConnector(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
-    ) -> int | tuple[int, bool]:
+    ) -> int | tuple[int, bool] | None:
         """How many tokens beyond ``num_computed_tokens`` this connector can load.
 
         Returns ``n`` or ``(n, load_async)``: with ``load_async`` the load is
         asynchronous (reported by ``get_finished``, the request waits in
-        LOADING meanwhile); a plain ``n`` is a synchronous load. Must be
+        LOADING meanwhile); a plain ``n`` is a synchronous load. ``None``: the
+        lookup is still in flight — the request stays waiting, the other
+        waiting requests are considered, and the engine asks again next step
+        (waiting in ``wait_for_async_loads`` when nothing else can run), as
+        vLLM's scheduler does. Must be
         side-effect free (it may be called again for the same request, e.g.
         while it waits for blocks) and must leave at least one prompt token to
         compute: ``n`` should be at most

@@ -297,10 +297,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         self._load_external(sched)
         if not sched.chunks:
-            if not self.scheduler.loading and not sched.async_loads:
+            waiting_on_io = self.scheduler.loading or sched.lookups_pending
+            if not waiting_on_io and not sched.async_loads:
                 raise EngineError("scheduler planned an empty step with requests pending")
-            if self.scheduler.loading:
-                self._wait_for_async_loads()  # only fetches in flight: wait, do not spin
+            if waiting_on_io:
+                self._wait_for_async_loads()  # only fetches or lookups in flight: wait, do not spin
             self._update_metrics()
             return []
         t2 = time.perf_counter()

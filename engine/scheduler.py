@@ -70,6 +70,13 @@ class ScheduledChunk:
         return self.compute_start + self.num_tokens == self.request.num_tokens
 
 
+class _LookupPending:
+    """``_try_admit``'s answer for a request whose connector lookup has not answered yet."""
+
+
+LOOKUP_PENDING = _LookupPending()
+
+
 @dataclass
 class SchedulerOutput:
     """The plan of one step."""
@@ -77,6 +84,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     async_loads: list[LoadSpec] = field(default_factory=list)  # admitted into LOADING
+    lookups_pending: int = 0  # waiting requests passed over: their connector lookup is in flight
 
     @property
     def num_batched_tokens(self) -> int:
@@ -181,18 +189,24 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. waiting requests, strict FIFO, only when nothing had to be preempted
+        # 2. waiting requests, FIFO, only when nothing had to be preempted; a request
+        # whose connector lookup is still in flight is passed over until it answers
+        i = 0
         while (
-            self.waiting
+            i < len(self.waiting)
             and budget > 0
             and not out.preempted
             and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting[i]
             admitted = self._try_admit(req, budget)
             if admitted is None:
                 break
-            self.waiting.popleft()
+            if isinstance(admitted, _LookupPending):
+                out.lookups_pending += 1
+                i += 1
+                continue
+            del self.waiting[i]
             if isinstance(admitted, LoadSpec):  # fetched in the background; no tokens now
                 req.status = RequestStatus.LOADING
                 self.loading[req.request_id] = (req, admitted.num_tokens)
@@ -204,12 +218,17 @@ class Scheduler:
             budget -= admitted.num_tokens
         return out
 
-    def _try_admit(self, req: Request, budget: int) -> ScheduledChunk | LoadSpec | None:
+    def _try_admit(
+        self, req: Request, budget: int
+    ) -> ScheduledChunk | LoadSpec | _LookupPending | None:
         bm = self.block_manager
         total = req.num_tokens
         hits = bm.find_cached_prefix(req)
         num_g1 = len(hits) * bm.block_size
-        num_ext, load_async = self._external_match(req, num_g1)
+        match = self._external_match(req, num_g1)
+        if match is None:
+            return LOOKUP_PENDING
+        num_ext, load_async = match
         num_new = min(total - num_g1 - num_ext, budget)
         # NOTE: blocks for the whole prompt are taken at admission, not for the
         # first chunk only: a request admitted on its first chunk's blocks can
@@ -241,10 +260,12 @@ class Scheduler:
             )
         return ScheduledChunk(req, num_g1, num_ext, num_new)
 
-    def _external_match(self, req: Request, num_g1: int) -> tuple[int, bool]:
-        """The connector's match, clamped; ``(tokens, load asynchronously)``."""
+    def _external_match(self, req: Request, num_g1: int) -> tuple[int, bool] | None:
+        """The connector's match, clamped; ``(tokens, load asynchronously)``, None while pending."""
         try:
             answer = self.connector.get_num_new_matched_tokens(connector_view(req), num_g1)
+            if answer is None:
+                return None
             n, load_async = answer if isinstance(answer, tuple) else (answer, False)
             n = int(n)
         except Exception:  # a lookup failure is a miss, counted

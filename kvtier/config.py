@@ -172,8 +172,17 @@ class ConnectorConfig(_Strict):
     load_timeout_s: float = Field(
         5.0, gt=0, description="deadline of one request's whole load, retries included"
     )
+    lookup_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="deadline of one request's prefix lookup, retries included; "
+        "a lookup not answered by then is a miss (the request waits for it, the batch does not)",
+    )
     load_workers: int = Field(
-        4, ge=1, le=64, description="I/O threads fetching loads; beyond them loads are refused"
+        4,
+        ge=1,
+        le=64,
+        description="I/O threads fetching loads and lookups; beyond them loads are refused",
     )
     save_queue: int = Field(
         64, ge=1, description="requests' chunks waiting to be saved before dropping"

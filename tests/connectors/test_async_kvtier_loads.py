@@ -24,6 +24,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier
 from tests.engine.tiny_models import write_tiny_model
+from tests.support.timeouts import scaled
 
 CHUNK = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -120,6 +121,93 @@ def test_a_stalled_load_never_stalls_running_requests(model_dir: Path) -> None:
     assert conn.stats.load_failures == 1 and "deadline" in conn.stats.last_errors[-1]
     assert eng.stats().recomputed_after_load_failure_tokens == 99  # all but the last token
     eng.abort("running")
+    eng.shutdown()
+
+
+class SlowLookupTier(StallTier):
+    """A ``contains`` blocks for ``stall_s`` (deaf to its deadline); a ``get`` answers at once."""
+
+    def __init__(self, data: dict[bytes, bytes], stall_s: float) -> None:
+        super().__init__(data, stall_s)
+        self.lookups = 0
+
+    def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
+        self.lookups += 1
+        self.release.wait(self.stall_s)
+        return [k in self.data for k in keys]
+
+    def get(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bytes | None]:
+        return [self.data.get(k) for k in keys]
+
+
+def _run_beside_a_decode(eng, prompt: list[int]) -> tuple[object, int, int]:
+    """Steps until ``prompt`` ("new") ends while "running" decodes: (output, steps it waited, misses).
+
+    A waited step is one where "new" was still waiting for its lookup while
+    "running" was decoding; a miss is such a step that gave "running" no token.
+    """
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    eng.add_request(prompt[:12], long, "running")
+    t0 = time.monotonic()
+    while not any(o.request_id == "running" for o in eng.step()):  # its own lookup, then prefill
+        assert time.monotonic() - t0 < 60
+    eng.add_request(prompt, GREEDY, "new")
+    waited = missed = 0
+    final = None
+    t0 = time.monotonic()
+    while final is None and time.monotonic() - t0 < 60:
+        new = eng.scheduler.find("new")
+        pending = new is not None and new.status == RequestStatus.WAITING
+        decoding = eng.scheduler.find("running") is not None
+        outs = eng.step()
+        if pending and decoding:
+            waited += 1
+            missed += not any(o.request_id == "running" for o in outs)
+        final = next((o for o in outs if o.request_id == "new" and o.finished), None)
+    eng.abort("running")
+    return final, waited, missed
+
+
+def test_a_stalled_lookup_never_stalls_running_requests(model_dir: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    stored = torch.randint(3, 380, (100,), generator=g).tolist()
+    cold = _llm(model_dir).generate([stored], GREEDY)[0].token_ids
+    cpu = _filled_cpu_store(model_dir, [stored]).tiers[0]
+    slow = SlowLookupTier(dict(cpu.drain()), STALL_S)  # type: ignore[attr-defined]
+    conn = KvtierConnector(
+        config=_config(lookup_timeout_s=0.3), store=TieredStore([slow], metrics=StoreMetrics())
+    )
+    eng = _llm(model_dir, conn).engine
+    try:
+        final, waited, missed = _run_beside_a_decode(eng, stored)
+    finally:
+        slow.release.set()
+    assert slow.lookups >= 1  # the lookup really went to the stalled tier
+    # while "new" waited for its lookup, every step gave "running" its next token
+    assert waited >= 2 and missed == 0
+    # past its deadline the lookup is a miss: "new" is computed, the cold output
+    assert final is not None and final.token_ids == cold and final.num_external_tokens == 0
+    # (the lookup of "running", 12 tokens, timed out too before it started)
+    assert conn.stats.lookup_timeouts == 2 and conn.stats.lookups_deferred >= 2
+    eng.shutdown()
+
+
+def test_a_slow_lookup_defers_the_request_then_loads(model_dir: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    stored = torch.randint(3, 380, (100,), generator=g).tolist()
+    cold = _llm(model_dir).generate([stored], GREEDY)[0].token_ids
+    cpu = _filled_cpu_store(model_dir, [stored]).tiers[0]
+    slow = SlowLookupTier(dict(cpu.drain()), 0.2)  # answers well within its deadline
+    conn = KvtierConnector(
+        config=_config(lookup_timeout_s=scaled(30.0)),
+        store=TieredStore([slow], metrics=StoreMetrics()),
+    )
+    eng = _llm(model_dir, conn).engine
+    final, waited, missed = _run_beside_a_decode(eng, stored)
+    assert waited >= 1 and missed == 0 and conn.stats.lookups_deferred >= 1
+    assert final is not None and final.token_ids == cold
+    assert final.num_external_tokens == 99  # all but the last token, once the lookup answered
+    assert conn.stats.lookup_timeouts == 0
     eng.shutdown()
 
 
