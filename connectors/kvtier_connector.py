@@ -31,7 +31,6 @@ compared with its stored block off the step thread (``verify.py``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +41,9 @@ import torch
 from kvtier.block import BlockSpec, Compression, Encoding
 from kvtier.config import KvtierConfig, load_config
 from kvtier.connectors.load_job import Fetcher, LoadJob, Placed
-from kvtier.connectors.load_job import Lookup as LookupFuture
 from kvtier.connectors.loader import place_chunks
-from kvtier.connectors.prefix import ObjectRef, StoredPrefix, longest_stored_prefix
+from kvtier.connectors.lookup import AsyncLookups, LookupStats
+from kvtier.connectors.prefix import ObjectRef
 from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.saver import ChunkSaver, SaveStats
 from kvtier.connectors.verify import (
@@ -64,7 +63,7 @@ from kvtier.engine.connector import (
     SaveSpec,
 )
 from kvtier.engine.kv_cache import KVCacheLayout
-from kvtier.errors import ConfigError, KvtierError
+from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.kernels import gather_kv, gather_kv_quantized, slots_for_tokens
 from kvtier.keys import CacheNamespace, KeyHash
@@ -77,11 +76,6 @@ log = logging.getLogger(__name__)
 # A request that waits for blocks is asked for its match every step; its
 # lookup is reused for this long.
 LOOKUP_REUSE_S = 1.0
-# How long the step thread waits for a lookup before it defers the request to a
-# later step. CPU and disk tiers answer within it (an index probe), so their
-# hits are admitted in the step that asked; a remote tier that is slow or stuck
-# costs the running requests this much once, not its timeout.
-LOOKUP_WAIT_S = 0.005
 
 
 @dataclass
@@ -96,8 +90,6 @@ class ConnectorStats:
     failed_tokens: int = 0
     load_failures: int = 0
     loads_refused: int = 0  # every I/O thread busy (a stalled tier): served as a miss
-    lookups_deferred: int = 0  # not answered within LOOKUP_WAIT_S: asked again next step
-    lookup_timeouts: int = 0  # not answered by connector.lookup_timeout_s: a miss
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     last_errors: list[str] = field(default_factory=list)
@@ -110,16 +102,6 @@ class _Load:
     job: LoadJob
     block_ids: list[int]
     started: float  # perf_counter
-
-
-@dataclass
-class _Lookup:
-    """A lookup in flight on an I/O thread."""
-
-    keys: list[bytes]
-    future: LookupFuture
-    deadline: float  # monotonic
-    started: float = field(default_factory=time.perf_counter)
 
 
 class KvtierConnector(KVConnector):
@@ -177,10 +159,16 @@ class KvtierConnector(KVConnector):
         if self._sample is None and cc.verify_fraction > 0:
             self._sample = random_sampler(cc.verify_fraction)
         self.quarantine = Quarantine()
+        self._lookups = AsyncLookups(
+            self._fetcher,
+            timeout_s=cc.lookup_timeout_s,
+            metrics=self.metrics,
+            quarantine=self.quarantine,
+            on_count=self._lookup_counted,
+        )
         self._verifier: ChunkVerifier | None = None
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[str, _Load] = {}
-        self._lookups: dict[str, _Lookup] = {}
         self._kv_cache: torch.Tensor | None = None
         self._layout: KVCacheLayout | None = None
         self._ns: CacheNamespace | None = None
@@ -225,6 +213,15 @@ class KvtierConnector(KVConnector):
             )
 
     @property
+    def lookup_stats(self) -> LookupStats:
+        """Lookups deferred a step, timed out, or refused (``connectors/lookup.py``)."""
+        return self._lookups.stats
+
+    def _lookup_counted(self, what: str) -> None:
+        if what == "refused":  # every I/O thread stuck on a tier: the hit is not offered
+            self.stats.loads_refused += 1
+
+    @property
     def namespace(self) -> CacheNamespace | None:
         """The namespace of this engine's KV (after ``register_kv_caches``)."""
         return self._ns
@@ -239,63 +236,6 @@ class KvtierConnector(KVConnector):
             self._requests[request.request_id] = state
         return state
 
-    def _poll_lookup(self, request_id: str, state: RequestState) -> StoredPrefix | None:
-        """The request's stored prefix, or None while its lookup is still in flight.
-
-        The lookup (one batched ``contains``) runs on an I/O thread: a tier that is
-        slow to answer holds that thread, not the step thread that schedules the
-        running requests. Local tiers answer within ``LOOKUP_WAIT_S``.
-        """
-        pending = self._lookups.get(request_id)
-        if pending is None:
-            keys = state.keys.keys_at(state.keys.lookup_ends(state.num_prompt_tokens))
-            if not keys:
-                return self._stored_prefix(state, keys, [])
-            if self._fetcher.saturated:  # every I/O thread is stuck on a tier: a miss
-                self.stats.loads_refused += 1
-                return self._stored_prefix(state, keys, [False] * len(keys))
-            deadline = time.monotonic() + self.config.connector.lookup_timeout_s
-            pending = _Lookup(keys, self._fetcher.submit_contains(keys, deadline), deadline)
-            self._lookups[request_id] = pending
-            concurrent.futures.wait([pending.future], timeout=LOOKUP_WAIT_S)
-        if not pending.future.done():
-            if time.monotonic() < pending.deadline:
-                self.stats.lookups_deferred += 1
-                return None
-            # the tier ignored its deadline: give the thread up, serve a miss
-            self._fetcher.abandon(pending.future)
-            self.stats.lookup_timeouts += 1
-            present = None
-        else:
-            try:
-                present = pending.future.result()
-            except (KvtierError, ValueError, RuntimeError) as e:  # the store counts tier errors
-                log.warning("kvtier lookup failed, served as a miss: %s", e)
-                present = [False] * len(pending.keys)
-        del self._lookups[request_id]
-        self.metrics.stage_latency.labels("lookup").observe(time.perf_counter() - pending.started)
-        if present is None:
-            self.metrics.lookups.labels("timeout").inc()
-            return longest_stored_prefix(
-                state.keys, state.num_prompt_tokens, [False] * len(pending.keys)
-            )
-        return self._stored_prefix(state, pending.keys, present)
-
-    def _stored_prefix(
-        self, state: RequestState, keys: list[bytes], present: list[bool]
-    ) -> StoredPrefix:
-        limit = state.num_prompt_tokens
-        # keys the verifier found wrong are not loaded (another writer may have put them back)
-        if len(self.quarantine):
-            present = [p and k not in self.quarantine for k, p in zip(keys, present, strict=True)]
-        prefix = longest_stored_prefix(state.keys, limit, present)
-        self.metrics.lookups.labels(
-            "miss"
-            if not prefix.num_tokens
-            else ("hit" if prefix.num_tokens == limit else "partial")
-        ).inc()
-        return prefix
-
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> int | tuple[int, bool] | None:
@@ -304,7 +244,7 @@ class KvtierConnector(KVConnector):
         state = self._state(request)
         first_time = state.prefix is None
         if not state.lookup_is_fresh(LOOKUP_REUSE_S):
-            prefix = self._poll_lookup(request.request_id, state)
+            prefix = self._lookups.poll(request.request_id, state)
             if prefix is None:
                 return None  # still looking up: the engine asks again next step
             state.remember_lookup(prefix)
@@ -331,9 +271,7 @@ class KvtierConnector(KVConnector):
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> None:
         state = self._requests.pop(request.request_id, None)
-        lookup = self._lookups.pop(request.request_id, None)
-        if lookup is not None:
-            self._fetcher.abandon(lookup.future)
+        self._lookups.cancel(request.request_id)
         load = self._jobs.pop(request.request_id, None)
         if load is not None:
             load.job.abandon()  # never placed into blocks that are about to be freed
@@ -387,7 +325,7 @@ class KvtierConnector(KVConnector):
     def wait_for_async_loads(self, timeout_s: float) -> None:
         fetcher = self._fetcher
         fetcher.wakeup.clear()
-        if any(lookup.future.done() for lookup in self._lookups.values()):
+        if self._lookups.any_answered():
             return  # a lookup answered: its request can be admitted
         for load in self._jobs.values():
             job = load.job

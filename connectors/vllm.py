@@ -305,6 +305,8 @@ class KvtierConnectorV1(KVConnectorBase_V1):
         return False  # a cache: a save lost to preemption is a later miss
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
         if self._endpoint is not None:

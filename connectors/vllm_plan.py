@@ -103,6 +103,9 @@ COUNTERS = (
     "hit_tokens",  # of those, stored in the tier
     "skipped_requests",  # not cacheable (LoRA, multimodal, prompt embeddings)
     "refused_tokens",  # hits not offered: every load thread was stuck
+    "lookups_deferred",  # lookups still in flight when vLLM asked: asked again next step
+    "lookup_timeouts",  # lookups past connector.lookup_timeout_s: a miss
+    "refused_lookups",  # lookups not started, every lookup thread stuck on a tier: a miss
     "loads",  # loads started
     "loaded_tokens",  # tokens placed into vLLM's cache
     "failed_tokens",  # tokens offered that failed to load (recomputed)

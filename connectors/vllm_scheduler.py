@@ -5,7 +5,9 @@ request it keeps a ``RequestState`` (keys, lookup, save plan: shared with the
 bundled engine's connector) and answers vLLM's scheduler hooks::
 
     get_num_new_matched_tokens(req, n_local)
-        keys of the prompt ─► store.contains (one batched call per tier) ─► longest stored prefix
+        keys of the prompt ─► store.contains (one batched call per tier, on an I/O thread:
+        ``lookup.py``; None while it is in flight, vLLM asks again next step) ─► longest
+        stored prefix
         offer: min(prefix, prompt - 1) - n_local tokens (0 below min_load_tokens),
                loaded sync or async (VllmSettings.load_mode)
     update_state_after_alloc(req, blocks, n)   n > 0: plan a LoadSpec of [n_local, n_local + n)
@@ -41,7 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import KvtierConfig
-from kvtier.connectors.prefix import ObjectRef, StoredPrefix, longest_stored_prefix
+from kvtier.connectors.load_job import Fetcher
+from kvtier.connectors.lookup import AsyncLookups
+from kvtier.connectors.prefix import ObjectRef
 from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvtier.keys import CacheNamespace
@@ -112,6 +116,14 @@ class VllmScheduler:
         self._loads: list[LoadSpec] = []
         self._releases: list[SaveSpec] = []
         self._worker_stuck = False
+        # NOTE: the scheduler process's own I/O threads: lookups only (loads are the worker's)
+        self._fetcher = Fetcher(store, config.connector.load_workers)
+        self._lookups = AsyncLookups(
+            self._fetcher,
+            timeout_s=config.connector.lookup_timeout_s,
+            metrics=metrics,
+            on_count=self._lookup_counted,
+        )
 
     # ---- lookup and offer ---------------------------------------------------------------
 
@@ -133,29 +145,34 @@ class VllmScheduler:
             tracked = self._requests[rid] = _Tracked(request, state)
         return tracked
 
-    def _lookup(self, state: RequestState) -> StoredPrefix:
-        limit = state.num_prompt_tokens
-        keys = state.keys.keys_at(state.keys.lookup_ends(limit))
-        with self._metrics.time_stage("lookup"):
-            present = self._store.contains(keys) if keys else []
-        prefix = longest_stored_prefix(state.keys, limit, present)
-        outcome = "miss" if not prefix.num_tokens else "partial"
-        if prefix.num_tokens == limit:
-            outcome = "hit"
-        self._metrics.lookups.labels(outcome).inc()
-        return prefix
+    def _lookup_counted(self, what: str) -> None:
+        self._counters.add(
+            {"deferred": "lookups_deferred", "timeout": "lookup_timeouts"}.get(
+                what, "refused_lookups"
+            )
+        )
+
+    def close(self) -> None:
+        """Stops the lookup threads (one stuck in a tier is left to end on its own)."""
+        self._fetcher.shutdown()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """Tokens to load beyond vLLM's own ``num_computed_tokens``, and whether asynchronously."""
+    ) -> tuple[int | None, bool]:
+        """Tokens to load beyond vLLM's own ``num_computed_tokens``, and whether asynchronously.
+
+        ``None`` tokens: the lookup is still in flight; vLLM asks again next step.
+        """
         tracked = self._track(request)
         state = tracked.state
         if state is None or tracked.load_planned:
             return 0, False
         first = state.prefix is None
         if not state.lookup_is_fresh(LOOKUP_REUSE_S):
-            state.remember_lookup(self._lookup(state))
+            prefix = self._lookups.poll(request.request_id, state)
+            if prefix is None:
+                return None, False
+            state.remember_lookup(prefix)
         assert state.prefix is not None
         prompt = state.num_prompt_tokens
         if first:
@@ -291,6 +308,7 @@ class VllmScheduler:
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
         """Plans the finished request's last saves; True when vLLM must keep its blocks for them."""
         tracked = self._requests.pop(request.request_id, None)
+        self._lookups.cancel(request.request_id)
         if tracked is None or tracked.state is None or tracked.loading:
             return False  # a load in flight: the worker drops it, vLLM frees the blocks after
         if not self._config.connector.save_decode:

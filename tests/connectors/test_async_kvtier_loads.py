@@ -188,7 +188,7 @@ def test_a_stalled_lookup_never_stalls_running_requests(model_dir: Path) -> None
     # past its deadline the lookup is a miss: "new" is computed, the cold output
     assert final is not None and final.token_ids == cold and final.num_external_tokens == 0
     # (the lookup of "running", 12 tokens, timed out too before it started)
-    assert conn.stats.lookup_timeouts == 2 and conn.stats.lookups_deferred >= 2
+    assert conn.lookup_stats.timeouts == 2 and conn.lookup_stats.deferred >= 2
     eng.shutdown()
 
 
@@ -204,10 +204,10 @@ def test_a_slow_lookup_defers_the_request_then_loads(model_dir: Path) -> None:
     )
     eng = _llm(model_dir, conn).engine
     final, waited, missed = _run_beside_a_decode(eng, stored)
-    assert waited >= 1 and missed == 0 and conn.stats.lookups_deferred >= 1
+    assert waited >= 1 and missed == 0 and conn.lookup_stats.deferred >= 1
     assert final is not None and final.token_ids == cold
     assert final.num_external_tokens == 99  # all but the last token, once the lookup answered
-    assert conn.stats.lookup_timeouts == 0
+    assert conn.lookup_stats.timeouts == 0
     eng.shutdown()
 
 

@@ -10,6 +10,7 @@ be checked against what a cold run computes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,18 @@ class FakeVllm:
         self.scheduler.update(recvd, self.worker.report())
         return plan
 
+    def match(self, request: Any, n_local: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``, asked again while the lookup is in flight (as vLLM does)."""
+        deadline = time.monotonic() + 30.0
+        while True:
+            n, load_async = self.scheduler.get_num_new_matched_tokens(request, n_local)
+            if n is not None:
+                return n, load_async
+            assert time.monotonic() < deadline, "the lookup never answered"
+            time.sleep(0.001)
+
     def close(self) -> None:
+        self.scheduler.close()
         self.worker.close()
         self.worker_store.close()
         self.sched_store.close()

@@ -34,7 +34,7 @@ PROMPT = [(i * 7919) % 5000 + 3 for i in range(150)]  # 2 chunks of 64 + a 22-to
 
 def _cold(v: FakeVllm, req: FakeRequest) -> list[int]:
     """Admits ``req`` with no hit and computes its whole prompt in one step (saving it)."""
-    n, _ = v.scheduler.get_num_new_matched_tokens(req, 0)
+    n, _ = v.match(req, 0)
     assert n == 0
     blocks = v.alloc(len(req.prompt_token_ids))
     v.scheduler.update_state_after_alloc(req, blocks, 0)
@@ -56,7 +56,7 @@ def _stored(tmp_path: Path) -> Path:
 
 
 def _admit_with_load(v: FakeVllm, req: FakeRequest, n_local: int = 0) -> tuple[list[int], int]:
-    n, _ = v.scheduler.get_num_new_matched_tokens(req, n_local)
+    n, _ = v.match(req, n_local)
     assert n > 0
     blocks = v.alloc(len(req.prompt_token_ids))
     v.scheduler.update_state_after_alloc(req, blocks, n)
@@ -87,7 +87,7 @@ def test_a_second_process_loads_the_prefix_synchronously_and_holds_the_cold_kv(t
 def test_an_asynchronous_load_is_placed_over_steps_and_reported_once(tmp_path) -> None:
     v = FakeVllm(kvtier_config(_stored(tmp_path)), load_async=True)
     req = FakeRequest("b-1", PROMPT)
-    n, is_async = v.scheduler.get_num_new_matched_tokens(req, 0)
+    n, is_async = v.match(req, 0)
     assert (n, is_async) == (len(PROMPT) - 1, True)
     blocks = v.alloc(len(PROMPT))
     v.scheduler.update_state_after_alloc(req, blocks, n)
@@ -101,7 +101,7 @@ def test_an_asynchronous_load_is_placed_over_steps_and_reported_once(tmp_path) -
     assert torch.equal(v.layout.gather(blocks, 0, n), true_kv(PROMPT, 0, n))
     # vLLM's second call after the load: no new load, and no second offer
     v.scheduler.update_state_after_alloc(req, blocks, 0)
-    assert v.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert v.match(req, 0) == (0, False)
     v.close()
 
 
@@ -127,7 +127,7 @@ def test_a_corrupt_object_ends_the_load_and_its_blocks_are_reported_failed(tmp_p
     assert v.counters.totals["failed_tokens"] == n - 64
     assert v.metrics.value("kvtier_corrupt_blocks_total", {"tier": "disk"}) == 1
     # never offered again (vLLM asks again after a failed load)
-    assert v.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert v.match(req, 0) == (0, False)
     v.close()
 
 
@@ -137,7 +137,7 @@ def test_saves_after_a_failed_load_wait_until_the_scheduler_knows(tmp_path) -> N
     v = FakeVllm(kvtier_config(root))
     prompt = PROMPT + [17 + i for i in range(40)]  # the stored chunks, then 62 new tokens
     req = FakeRequest("b-3", prompt)
-    n, _ = v.scheduler.get_num_new_matched_tokens(req, 0)
+    n, _ = v.match(req, 0)
     assert n == 128  # the two stored chunks
     for f in (root / "blocks").rglob("*.kvb"):
         f.unlink()  # the tier loses them between the lookup and the load
@@ -201,10 +201,10 @@ def test_uncacheable_requests_and_short_hits_are_misses(tmp_path) -> None:
     root = _stored(tmp_path)
     v = FakeVllm(kvtier_config(root))
     lora = FakeRequest("d-0", PROMPT, lora_request=object())
-    assert v.scheduler.get_num_new_matched_tokens(lora, 0) == (0, False)
+    assert v.match(lora, 0) == (0, False)
     assert v.counters.totals["skipped_requests"] == 1
     salted = FakeRequest("d-1", PROMPT, cache_salt="tenant-b")
-    assert v.scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)  # another namespace
+    assert v.match(salted, 0) == (0, False)  # another namespace
     plain = FakeRequest("d-2", PROMPT)
-    assert v.scheduler.get_num_new_matched_tokens(plain, len(PROMPT) - 8) == (0, False)  # < 16
+    assert v.match(plain, len(PROMPT) - 8) == (0, False)  # < 16
     v.close()
