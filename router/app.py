@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -20,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.engine.server.runner import bind_listener
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.router.config import RouterConfig
 from kvtier.router.engines import EnginePool
@@ -151,21 +151,6 @@ def create_router_app(
     return app
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket with TCP_NODELAY (streamed tokens are small writes)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    sock.set_inheritable(True)
-    return sock
-
-
 def _config(app: FastAPI, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(
         app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
@@ -174,7 +159,7 @@ def _config(app: FastAPI, log_level: str) -> uvicorn.Config:
 
 def serve_router(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
     """Serves until SIGTERM/SIGINT."""
-    sock = bind(host, port)
+    sock = bind_listener(host, port)
     try:
         uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
     finally:
@@ -185,7 +170,7 @@ class BackgroundRouter:
     """The router on a background thread (its own loop), for tests and benchmarks."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        self._sock = bind(host, port)
+        self._sock = bind_listener(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self._server = uvicorn.Server(_config(app, "warning"))
         self._thread = threading.Thread(target=self._run, name="kvtier-router", daemon=True)

@@ -98,7 +98,8 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn, with TCP_NODELAY (also the router's)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # NOTE: proto must say TCP: asyncio sets TCP_NODELAY only on sockets whose
     # proto is IPPROTO_TCP, and accepted sockets inherit the listener's (0 by
@@ -152,7 +153,7 @@ def serve_forever(config: EngineConfig, options: ServeOptions, *, quiet: bool = 
 
     from kvtier.engine.cli import Stage
 
-    sock = _bind(options.host, options.port)
+    sock = bind_listener(options.host, options.port)
     try:
         with Stage(f"loading {Path(config.model).name}", enabled=not quiet):
             engine = build_engine(config, options.role)
@@ -199,7 +200,7 @@ class BackgroundServer:
     def __init__(
         self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, graceful_timeout_s: float = 5.0
     ) -> None:
-        self._sock = _bind(host, port)
+        self._sock = bind_listener(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self._state: ServerState = app.state.kvtier
         options = ServeOptions(host=host, port=self.port, graceful_timeout_s=graceful_timeout_s)
