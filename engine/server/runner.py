@@ -113,6 +113,10 @@ def bind_listener(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    # NOTE: listen now, not when uvicorn starts serving: the address is announced
+    # before that (loading the model, the app's start-up), and a client that
+    # connected in between was refused; now it waits in the backlog until accepted.
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvtier.engine.server import ServerLimits
+from kvtier.engine.server.runner import bind_listener
 from tests.engine.test_server import Stack, sse_events, start_stack
 from tests.engine.tiny_models import write_tiny_model
 
@@ -246,3 +247,14 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny: Path, tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_announced_address_takes_connections_before_the_server_accepts() -> None:
+    """``engine serve`` prints its address before uvicorn starts: a client that connects
+    in between waits in the backlog instead of being refused (a CI failure)."""
+    sock = bind_listener("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass
+    finally:
+        sock.close()
