@@ -44,8 +44,20 @@ def tenants(roles: dict[str, str] | None = None) -> list[TenantConfig]:
 
 
 def server_config(**kw: Any) -> ServerConfig:
-    """Loopback, free ports, small limits unless overridden."""
-    base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "http_port": 0, "threads": 8}
+    """Loopback, free ports, small limits unless overridden.
+
+    Every listener binds a free port unless a test names one: the data plane
+    too (``data_port: 0``), also when the test fixes the gRPC port (only
+    ``port: 0`` makes an unset data port follow; the default 50052 may be
+    taken by another server on the host).
+    """
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "data_port": 0,
+        "http_port": 0,
+        "threads": 8,
+    }
     base.update(kw)
     return ServerConfig(**base)
 
