@@ -41,10 +41,12 @@ raises :class:`~kvtier.errors.ConfigError` from every call until fixed;
 fail loudly at start.
 
 Failure handling: every call has a total timeout (``total_timeout_ms`` for
-reads, ``write_timeout_ms`` for writes) and the client's own retries are off;
-each round trip is retried by a :class:`~kvtier.retry.Retry` for transient
-errors only. Repeated failed calls open a :class:`~kvtier.breaker.CircuitBreaker`:
-the tier is then skipped without network I/O until the cool-down ends. The
+reads, ``write_timeout_ms`` for writes). Within it the client retries a read
+on the next replica (``replica_retries``: a dead or paused master's keys are
+read from the replica) and never retries a write; each round trip is
+retried by a :class:`~kvtier.retry.Retry` for transient errors only.
+Repeated failed calls open a :class:`~kvtier.breaker.CircuitBreaker`: the
+tier is then skipped without network I/O until the cool-down ends. The
 error mapping is in :mod:`kvtier.tiers.aerospike_errors`.
 
 Deadlines (``get`` / ``contains`` / ``prefix_length`` with ``deadline=``):
@@ -120,6 +122,7 @@ from kvtier.tiers.aerospike_namespace import (
     check_ttl,
     client_config,
     parse_info,
+    read_policy,
     record_limits,
 )
 from kvtier.tiers.base import Tier, TierUsage
@@ -162,12 +165,19 @@ def _bounded(policy: dict[str, Any], deadline: float | None) -> dict[str, Any]:
 
     Whole milliseconds, rounded down so an attempt never outlives the
     deadline, and at least 1 (0 would mean "no timeout" to the client).
+    When the deadline cuts the total, a read's socket timeout is cut to its
+    share of it, so the client's retry on the replica still fits (a paused
+    master must not take all the time left).
     """
     if deadline is None:
         return policy
     left_ms = max(1, int((deadline - time.monotonic()) * 1000))
     total = min(policy["total_timeout"], left_ms)
     socket_ms = policy["socket_timeout"]
+    tries = 1 + policy.get("max_retries", 0)
+    if total < policy["total_timeout"] and tries > 1:
+        share = max(1, total // tries)
+        socket_ms = min(socket_ms, share) if socket_ms else share
     return {
         **policy,
         "total_timeout": total,
@@ -232,11 +242,7 @@ class AerospikeTier(Tier):
         self._usage = TierUsage(used_bytes=0, capacity_bytes=None, num_blocks=None)
         self._usage_at = -math.inf
         self._ttl = aerospike.TTL_NEVER_EXPIRE if config.ttl_s == -1 else config.ttl_s
-        read = {
-            "total_timeout": config.total_timeout_ms,
-            "socket_timeout": config.socket_timeout_ms,
-            "max_retries": 0,
-        }
+        read = read_policy(config)
         touch_pct = config.read_touch_ttl_percent if config.recency == "read_touch" else -1
         self._read_policy = {**read, "read_touch_ttl_percent": touch_pct}
         self._exists_policy = {**read, "read_touch_ttl_percent": -1}

@@ -120,6 +120,14 @@ class AerospikeTierConfig(BaseModel):
     max_retries: int = Field(
         2, ge=0, le=10, description="retries of transient errors per round trip"
     )
+    replica_retries: int = Field(
+        1,
+        ge=0,
+        le=4,
+        description="reads: the client's retries on the next replica (POLICY_REPLICA_SEQUENCE) "
+        "within one attempt, after socket_timeout_ms without an answer or at once on a refused "
+        "connection; what makes a read survive a dead or paused node (0: off)",
+    )
     retry_backoff_ms: float = Field(5.0, ge=0, description="wait before the first retry; doubles")
     retry_backoff_cap_ms: float = Field(100.0, ge=0, description="longest wait between retries")
     max_conns_per_node: int = Field(100, ge=1, description="connection pool size per node")

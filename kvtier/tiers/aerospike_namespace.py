@@ -1,7 +1,8 @@
 """What the Aerospike tier asks of the cluster and learns from it (pure functions, no I/O).
 
-* :func:`client_config` — the client's configuration: seeds, pool, timeouts,
-  and the client's own retries switched off (the tier retries).
+* :func:`client_config` — the client's configuration: seeds, pool, timeouts;
+  the client retries reads on the next replica only (:func:`read_policy`),
+  the tier retries everything else.
 * :func:`parse_info` — ``info_all`` replies into one ``{key: value}`` dict per node.
 * :func:`record_limits` — the segment size from the nodes' ``namespace/<ns>``
   replies: the smallest ``max-record-size`` (older servers:
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import aerospike
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
@@ -43,13 +46,29 @@ class RecordLimits:
     source: str
 
 
-def client_config(config: AerospikeTierConfig) -> dict[str, Any]:
-    """The ``aerospike.client()`` configuration for a tier."""
-    read = {
+def read_policy(config: AerospikeTierConfig) -> dict[str, Any]:
+    """The policy of reads, exists and batch reads.
+
+    The client retries a read on the next replica (``replica_retries`` times,
+    ``POLICY_REPLICA_SEQUENCE``): after ``socket_timeout_ms`` without an
+    answer from a paused node, or at once on a dead node's refused
+    connection, within the attempt's ``total_timeout_ms``. The tier's own
+    :class:`~kvtier.retry.Retry` would send the whole call to the same
+    master again: until the cluster has dropped a dead node (about 2 s)
+    the client's partition map still names it.
+    """
+    return {
         "total_timeout": config.total_timeout_ms,
         "socket_timeout": config.socket_timeout_ms,
-        "max_retries": 0,
+        "max_retries": config.replica_retries,
+        "replica": aerospike.POLICY_REPLICA_SEQUENCE,
+        "sleep_between_retries": 0,
     }
+
+
+def client_config(config: AerospikeTierConfig) -> dict[str, Any]:
+    """The ``aerospike.client()`` configuration for a tier."""
+    read = read_policy(config)
     write = {
         "total_timeout": config.write_timeout_ms,
         "socket_timeout": config.socket_timeout_ms,

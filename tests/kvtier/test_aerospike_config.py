@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import aerospike
 import pytest
 from pydantic import ValidationError
 
@@ -212,10 +213,17 @@ def test_check_ttl_follows_the_nsup_rule() -> None:
     assert check_ttl(AerospikeTierConfig(ttl_s=0), [{"nsup-period": "60", "default-ttl": "3600"}])
 
 
-def test_client_config_turns_the_clients_retries_off() -> None:
+def test_client_config_retries_reads_on_the_replica_only() -> None:
     cfg = client_config(
         AerospikeTierConfig(hosts=["db:3100"], cluster_name="kv", total_timeout_ms=123)
     )
     assert cfg["hosts"] == [("db", 3100)] and cfg["cluster_name"] == "kv"
-    assert all(p.get("max_retries", 0) == 0 for p in cfg["policies"].values())
-    assert cfg["policies"]["batch"]["total_timeout"] == 123
+    policies = cfg["policies"]
+    for name in ("read", "batch"):  # a dead or paused master: the client asks the replica
+        assert policies[name]["max_retries"] == 1
+        assert policies[name]["replica"] == aerospike.POLICY_REPLICA_SEQUENCE
+    writes = ("write", "operate", "remove", "batch_parent_write")
+    assert all(policies[name].get("max_retries", 0) == 0 for name in writes)  # the tier retries
+    assert policies["batch"]["total_timeout"] == 123
+    off = client_config(AerospikeTierConfig(replica_retries=0))["policies"]
+    assert off["read"]["max_retries"] == off["batch"]["max_retries"] == 0
