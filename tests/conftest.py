@@ -6,7 +6,9 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +81,60 @@ def smollm2() -> Path:
     if not path.exists():
         pytest.skip(f"needs {path}")
     return path
+
+
+# -- Aerospike: which server the tests ran against --------------------------------------------
+
+_aerospike_runs: dict[str, set[str]] = {}
+_aerospike_reasons: dict[str, str] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "aerospike_emulator(reason): uses the protocol-level emulator for what a real Aerospike "
+        "server cannot be made to do on demand (the reason says what)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    from tests.support.aerospike_usage import take_notes
+
+    take_notes()
+    yield
+    touched = take_notes()
+    if touched:
+        _aerospike_runs[item.nodeid] = touched
+        marker = item.get_closest_marker("aerospike_emulator")
+        if marker is not None and marker.args:
+            _aerospike_reasons[item.nodeid] = str(marker.args[0])
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _aerospike_runs:
+        return
+    from tests.support.aerospike_target import describe_backend
+    from tests.support.aerospike_usage import EMULATOR
+
+    real = [n for n, kinds in _aerospike_runs.items() if kinds - {EMULATOR}]
+    emulated = [n for n, kinds in _aerospike_runs.items() if EMULATOR in kinds]
+    tr = terminalreporter
+    tr.section("Aerospike")
+    tr.write_line(f"{len(real)} tests ran against a real Aerospike server: {describe_backend()}")
+    why: dict[str, int] = {}
+    for nodeid in emulated:
+        reason = _aerospike_reasons.get(nodeid, "no reason given (aerospike_emulator marker)")
+        why[reason] = why.get(reason, 0) + 1
+    tr.write_line(
+        f"{len(emulated)} tests used the emulator (tests/support/aerospike_server.py)"
+        + (":" if why else "")
+    )
+    for reason, count in sorted(why.items(), key=lambda kv: -kv[1]):
+        tr.write_line(f"  {count:4d}  {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.support.aerospike_target import stop_session_cluster
+
+    stop_session_cluster()

@@ -1,10 +1,11 @@
-"""Engines sharing KV through the Aerospike tier (the protocol-level test server).
+"""Engines sharing KV through the Aerospike tier.
 
 * Two engine processes with only an Aerospike tier (no shared disk) reuse
-  each other's prefixes.
+  each other's prefixes (on the test run's real server: tests/support/aerospike_target.py).
 * With the server stopped, an engine still answers correctly, its TTFT bounded
   by the configured timeouts plus the cold prefill, and it uses the tier again
-  once the server is back.
+  once the server is back (the emulator, stopped and restarted with its
+  records; a real cluster losing nodes under engines: tests/kvtier/test_aerospike_cluster.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvtier.engine import LLM, SamplingParams
 from tests.connectors.demo_prompts import shared_chunk_tokens
 from tests.engine.tiny_models import write_tiny_model
 from tests.support.aerospike_server import AerospikeTestServer
+from tests.support.aerospike_target import make_target
 from tests.support.timeouts import aerospike_timeouts, scaled
 
 CHUNK = 32
@@ -53,29 +55,34 @@ def _tier(address: str, **kw: object) -> dict[str, object]:
 def test_two_engine_processes_share_prefixes_through_aerospike(tiny: Path, tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text("Paged attention stores keys and values in fixed-size blocks. " * 8)
-    with AerospikeTestServer() as srv:
+    target = make_target()
+    try:
         cfg = tmp_path / "kvtier.yaml"
+        names = {"namespace": target.namespace, "set_name": target.set_name}
         cfg.write_text(
             KvtierConfig.model_validate(
                 {
                     "chunk_size": CHUNK,
                     # Generous timeouts: a busy host must not turn saves into drops here.
-                    "tiers": [_tier(srv.address, **aerospike_timeouts())],
+                    "tiers": [_tier(target.address, **names, **aerospike_timeouts())],
                     "connector": {"min_load_tokens": CHUNK},
                 }
             ).model_dump_json()
         )
         a = _spawn(str(tiny), str(cfg), "What is stored?", 4, str(doc), "A", 3)
         assert a["chunks_saved"] > 0 and a["loaded_tokens"] == 0
-        assert len(srv.digests("kvcache")) >= a["chunks_saved"]  # one record per small block
+        assert target.record_count() >= a["chunks_saved"]  # one record per small block
         b = _spawn(str(tiny), str(cfg), "Which blocks?", 4, str(doc), "B", 4)
         shared = shared_chunk_tokens(
             tiny, doc.read_text(), "What is stored?", "Which blocks?", CHUNK
         )
         assert b["loaded_tokens"] == shared > 0  # every chunk B shares with A came back
         assert b["load_failures"] == 0
+    finally:
+        target.close()
 
 
+@pytest.mark.aerospike_emulator("the whole server down, then back on its port with its records")
 def test_engine_survives_a_stopped_server_and_recovers(tiny: Path) -> None:
     g = torch.Generator().manual_seed(3)
     p1 = torch.randint(3, 380, (100,), generator=g).tolist()

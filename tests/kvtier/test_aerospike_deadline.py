@@ -1,9 +1,10 @@
 """The Aerospike tier's read deadline: one instant bounds a whole get, retries and segments included.
 
-The test server stalls like a paused (SIGSTOPped) server: requests arrive and
-are not answered for seconds. Bounds are generous (deadline + 1 s) so a
-loaded host passes; what they rule out is the configured timeouts and
-retries running on past the deadline (seconds).
+The emulator stalls like a paused (SIGSTOPped) server, on a chosen request:
+requests arrive and are not answered for seconds (a real cluster with a
+paused node: tests/kvtier/test_aerospike_cluster.py). Bounds are generous
+(deadline + 1 s) so a loaded host passes; what they rule out is the
+configured timeouts and retries running on past the deadline (seconds).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.cpu import CpuTier
 from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
+from tests.support.aerospike_target import make_target
 from tests.support.timeouts import aerospike_timeouts, scaled
+
+STALL = (
+    "a chosen stall: replies held for seconds (a paused real node is in test_aerospike_cluster.py)"
+)
 
 KiB, MiB = 1024, 1024 * 1024
 SLACK = scaled(0.25)
@@ -61,6 +67,7 @@ def stall(server: AerospikeTestServer, segmented: bool, seconds: float) -> None:
         server.latency = seconds
 
 
+@pytest.mark.aerospike_emulator(STALL)
 @pytest.mark.parametrize("segmented", [False, True], ids=["single-record", "segmented"])
 def test_stalled_server_get_returns_by_the_deadline(
     server: AerospikeTestServer, segmented: bool
@@ -85,6 +92,7 @@ def test_stalled_server_get_returns_by_the_deadline(
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(STALL)
 @pytest.mark.parametrize("segmented", [False, True], ids=["single-record", "segmented"])
 def test_store_over_a_stalled_server_misses_by_the_deadline(
     server: AerospikeTestServer, segmented: bool
@@ -102,6 +110,7 @@ def test_store_over_a_stalled_server_misses_by_the_deadline(
         server.clear_faults()
 
 
+@pytest.mark.aerospike_emulator(STALL)
 def test_retries_stop_when_the_deadline_cannot_fit_another(server: AerospikeTestServer) -> None:
     tier = make_tier(server.address, total_timeout_ms=200, socket_timeout_ms=200, max_retries=5)
     key = os.urandom(16)
@@ -121,6 +130,7 @@ def test_retries_stop_when_the_deadline_cannot_fit_another(server: AerospikeTest
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(STALL)
 def test_every_segment_batch_shares_the_one_deadline(server: AerospikeTestServer) -> None:
     # 8 rows per batch: a 4 MiB block (34 segments) is read in 5 segment round trips.
     tier = make_tier(server.address, max_batch_keys=8, max_retries=2)
@@ -139,6 +149,7 @@ def test_every_segment_batch_shares_the_one_deadline(server: AerospikeTestServer
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(STALL)
 def test_a_deadline_never_lengthens_the_configured_timeouts(server: AerospikeTestServer) -> None:
     tier = make_tier(server.address, total_timeout_ms=200, socket_timeout_ms=200, max_retries=1)
     key = os.urandom(16)
@@ -152,8 +163,11 @@ def test_a_deadline_never_lengthens_the_configured_timeouts(server: AerospikeTes
     tier.close()
 
 
-def test_a_past_deadline_raises_without_io(server: AerospikeTestServer) -> None:
-    tier = make_tier(server.address, breaker_threshold=1)
+def test_a_past_deadline_raises_without_io() -> None:
+    target = make_target()
+    tier = make_tier(
+        target.address, breaker_threshold=1, namespace=target.namespace, set_name=target.set_name
+    )
     key = os.urandom(16)
     tier.put([(key, b"e" * 100)])
     before = tier.stats().round_trips
@@ -171,6 +185,7 @@ def test_a_past_deadline_raises_without_io(server: AerospikeTestServer) -> None:
     assert tier.get([key], deadline=time.monotonic() + 5) == [b"e" * 100]
     assert tier.contains([key], deadline=time.monotonic() + 5) == [True]
     tier.close()
+    target.close()
 
 
 def test_connecting_is_waited_for_only_until_the_deadline() -> None:
@@ -195,6 +210,7 @@ def test_connecting_is_waited_for_only_until_the_deadline() -> None:
         tier.close()  # waits for the background connect attempt to give up
 
 
+@pytest.mark.aerospike_emulator("a server that starts on a chosen port after its client")
 def test_a_probe_with_a_deadline_connects_in_the_background() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,9 @@
-"""The Aerospike tier under failure: error mapping, retries, timeouts, stop-writes, the breaker."""
+"""The Aerospike tier under failure: error mapping, retries, timeouts, stop-writes, the breaker.
+
+Tests taking ``target`` run on the test run's real server (tests/support/aerospike_target.py);
+the others need a fault of the emulator and name it (``aerospike_emulator``). A real cluster
+losing and pausing nodes is in tests/kvtier/test_aerospike_cluster.py.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,12 @@ from kvtier.errors import ConfigError, TierUnavailableError, TransientError
 from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
+from tests.support.aerospike_target import Target, make_target
 from tests.support.timeouts import aerospike_timeouts
+
+WIRE = "a chosen wire-level fault"
+CODE = "a chosen server error code"
+DOWN = "the whole server down, then back on its port with its records"
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -33,10 +43,23 @@ def server() -> Iterator[AerospikeTestServer]:
         yield srv
 
 
+@pytest.fixture
+def target() -> Iterator[Target]:
+    t = make_target()
+    yield t
+    t.close()
+
+
 def make_tier(
-    srv: AerospikeTestServer | str, clock: FakeClock | None = None, **overrides: object
+    srv: AerospikeTestServer | Target | str, clock: FakeClock | None = None, **overrides: object
 ) -> AerospikeTier:
+    if isinstance(srv, Target):
+        overrides.setdefault("namespace", srv.namespace)
+        overrides.setdefault("set_name", srv.set_name)
     address = srv if isinstance(srv, str) else srv.address
+    # NOTE: the emulator is one node, where the client's retry on the replica would go to the
+    # same node and hide the fault from the tier: these tests check the tier's own handling.
+    overrides.setdefault("replica_retries", 0)
     overrides.setdefault("retry_backoff_ms", 1)
     overrides.setdefault("retry_backoff_cap_ms", 2)
     for name, value in aerospike_timeouts().items():  # tests of timeouts set their own
@@ -53,6 +76,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.aerospike_emulator(f"{WIRE}: every reply held 3 s")
 def test_timeout_is_transient_and_bounded(server: AerospikeTestServer) -> None:
     tier = make_tier(server, total_timeout_ms=100, socket_timeout_ms=100, max_retries=1)
     key = os.urandom(16)
@@ -70,6 +94,7 @@ def test_timeout_is_transient_and_bounded(server: AerospikeTestServer) -> None:
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(f"{WIRE}: a connection dropped")
 def test_dropped_connection_is_retried(server: AerospikeTestServer) -> None:
     tier = make_tier(server, max_retries=2)
     key = os.urandom(16)
@@ -80,6 +105,7 @@ def test_dropped_connection_is_retried(server: AerospikeTestServer) -> None:
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(f"{WIRE}: a connection dropped")
 def test_dropped_connection_without_retries_is_transient(server: AerospikeTestServer) -> None:
     tier = make_tier(server, max_retries=0)
     server.drop_next(1)
@@ -89,6 +115,7 @@ def test_dropped_connection_without_retries_is_transient(server: AerospikeTestSe
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(CODE)
 @pytest.mark.parametrize("code", [18, 14, 9])
 def test_overload_busy_and_server_timeout_are_retried(
     server: AerospikeTestServer, code: int
@@ -104,6 +131,7 @@ def test_overload_busy_and_server_timeout_are_retried(
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(CODE)
 def test_namespace_error_is_config_and_not_retried(server: AerospikeTestServer) -> None:
     tier = make_tier(server, max_retries=3)
     server.reset_counts()
@@ -116,6 +144,7 @@ def test_namespace_error_is_config_and_not_retried(server: AerospikeTestServer) 
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(CODE)
 def test_unknown_errors_are_transient_but_not_retried(server: AerospikeTestServer) -> None:
     tier = make_tier(server, max_retries=3)
     server.reset_counts()
@@ -127,40 +156,50 @@ def test_unknown_errors_are_transient_but_not_retried(server: AerospikeTestServe
     tier.close()
 
 
-def test_record_too_big_names_the_setting_and_is_not_retried() -> None:
-    with AerospikeTestServer([NamespaceConfig(max_record_size=1 * MiB)]) as srv:
-        tier = make_tier(srv, max_retries=3)
-        assert tier.limits is not None and tier.limits.segment_size > 900 * KiB
-        srv.namespaces["kvcache"].max_record_size = 256 * KiB  # the operator lowered the cap
-        srv.reset_counts()
-        with pytest.raises(ConfigError, match="segment_size"):
-            tier.put([(os.urandom(16), os.urandom(900 * KiB))])
-        assert srv.counts["write"] == 1  # not retried
-        assert tier.limits.max_record_size == 256 * KiB  # re-learned
-        key, block = os.urandom(16), os.urandom(900 * KiB)
-        assert tier.put([(key, block)]) == [True]  # now segmented
-        assert tier.get([key]) == [block]
-        tier.close()
+def test_record_too_big_names_the_setting_and_is_not_retried(target: Target) -> None:
+    tier = make_tier(target, max_retries=3)
+    assert tier.limits is not None and tier.limits.segment_size > 900 * KiB
+    target.set_max_record_size(256 * KiB)  # the operator lowered the cap
+    before = tier.stats()
+    with pytest.raises(ConfigError, match="segment_size"):
+        tier.put([(os.urandom(16), os.urandom(900 * KiB))])
+    after = tier.stats()
+    assert after.retries == before.retries  # not retried
+    assert tier.limits.max_record_size == 256 * KiB  # re-learned
+    key, block = os.urandom(16), os.urandom(900 * KiB)
+    assert tier.put([(key, block)]) == [True]  # now segmented
+    assert tier.get([key]) == [block]
+    tier.close()
 
 
 def test_segment_size_override_larger_than_the_cap_is_config_error() -> None:
-    with AerospikeTestServer([NamespaceConfig(max_record_size=128 * KiB)]) as srv:
-        tier = make_tier(srv, segment_size="1MiB")
+    target = make_target(max_record_size=128 * KiB)
+    tier = make_tier(target, segment_size="1MiB")
+    try:
         with pytest.raises(ConfigError, match="segment_size"):
             tier.put([(os.urandom(16), b"x")])
         with pytest.raises(ConfigError, match="segment_size"):
             tier.connect()
+    finally:
         tier.close()
+        target.close()
 
 
 def test_margin_that_leaves_nothing_is_config_error() -> None:
-    with AerospikeTestServer([NamespaceConfig(max_record_size=64 * KiB)]) as srv:
-        tier = make_tier(srv, record_size_margin="64KiB")
+    target = make_target(max_record_size=64 * KiB)
+    tier = make_tier(target, record_size_margin="64KiB")
+    try:
         with pytest.raises(ConfigError, match="record_size_margin"):
             tier.connect()
+    finally:
         tier.close()
+        target.close()
 
 
+STOP_WRITES = "stop-writes on demand (a real node enters and leaves it on its periodic check, 8 s and more here)"
+
+
+@pytest.mark.aerospike_emulator(STOP_WRITES)
 def test_stop_writes_drops_puts_and_reads_keep_working(server: AerospikeTestServer) -> None:
     tier = make_tier(server, segment_size=16 * KiB)
     old = os.urandom(16)
@@ -178,6 +217,7 @@ def test_stop_writes_drops_puts_and_reads_keep_working(server: AerospikeTestServ
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(f"{STOP_WRITES}, between two writes of one put")
 def test_stop_writes_between_segments_and_manifest_cleans_up(server: AerospikeTestServer) -> None:
     tier = make_tier(server, segment_size=16 * KiB)
     server.fail_next(8, skip=2)  # dedup check, segments land; the manifest write hits stop-writes
@@ -187,6 +227,9 @@ def test_stop_writes_between_segments_and_manifest_cleans_up(server: AerospikeTe
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(
+    "a namespace with nsup-period 0 (the real cluster runs the deployed namespace, nsup on)"
+)
 def test_ttl_without_nsup_is_config_error() -> None:
     with AerospikeTestServer([NamespaceConfig(nsup_period=0)]) as srv:
         tier = make_tier(srv, ttl_s=3600)
@@ -202,6 +245,7 @@ def test_ttl_without_nsup_is_config_error() -> None:
         forever.close()
 
 
+@pytest.mark.aerospike_emulator(f"{CODE}: 22 while the namespace reports nsup on")
 def test_server_refusing_ttl_writes_maps_to_config_error() -> None:
     # The tier's own check passes (nsup looks on), but the server says 22 anyway.
     with AerospikeTestServer() as srv:
@@ -212,8 +256,8 @@ def test_server_refusing_ttl_writes_maps_to_config_error() -> None:
         tier.close()
 
 
-def test_unknown_namespace_is_config_error(server: AerospikeTestServer) -> None:
-    tier = make_tier(server, namespace="nope")  # construction does not raise
+def test_unknown_namespace_is_config_error(target: Target) -> None:
+    tier = make_tier(target, namespace="nope")  # construction does not raise
     with pytest.raises(ConfigError, match="nope"):
         tier.get([os.urandom(16)])
     with pytest.raises(ConfigError, match="nope"):
@@ -221,6 +265,7 @@ def test_unknown_namespace_is_config_error(server: AerospikeTestServer) -> None:
     tier.close()
 
 
+@pytest.mark.aerospike_emulator("a legacy server's reply (write-block-size, before 7.0)")
 def test_legacy_servers_report_write_block_size() -> None:
     with AerospikeTestServer(
         [NamespaceConfig(max_record_size=256 * KiB, legacy_write_block_size=True)]
@@ -235,6 +280,7 @@ def test_legacy_servers_report_write_block_size() -> None:
         tier.close()
 
 
+@pytest.mark.aerospike_emulator(DOWN)
 def test_breaker_opens_skips_without_io_and_recovers() -> None:
     clock = FakeClock()
     with AerospikeTestServer() as srv:
@@ -265,6 +311,7 @@ def test_breaker_opens_skips_without_io_and_recovers() -> None:
         tier.close()
 
 
+@pytest.mark.aerospike_emulator(DOWN)
 def test_failed_probe_reopens() -> None:
     clock = FakeClock()
     with AerospikeTestServer() as srv:
@@ -282,6 +329,7 @@ def test_failed_probe_reopens() -> None:
         tier.close()
 
 
+@pytest.mark.aerospike_emulator("a server that starts on a chosen port after its client")
 def test_server_down_at_construction_does_not_crash_the_owner() -> None:
     clock = FakeClock()
     port = free_port()
@@ -299,6 +347,7 @@ def test_server_down_at_construction_does_not_crash_the_owner() -> None:
     tier.close()
 
 
+@pytest.mark.aerospike_emulator(f"{WIRE}: connections refused")
 def test_refused_connections_then_recovery() -> None:
     clock = FakeClock()
     with AerospikeTestServer() as srv:
@@ -318,6 +367,7 @@ def test_refused_connections_then_recovery() -> None:
         tier.close()
 
 
+@pytest.mark.aerospike_emulator(DOWN)
 def test_usage_survives_an_outage(server: AerospikeTestServer) -> None:
     tier = make_tier(server, usage_refresh_s=0, max_retries=0)
     tier.put([(os.urandom(16), b"i" * 5000)])
@@ -328,19 +378,19 @@ def test_usage_survives_an_outage(server: AerospikeTestServer) -> None:
     tier.close()
 
 
-def test_closed_tier_is_unavailable(server: AerospikeTestServer) -> None:
-    tier = make_tier(server)
+def test_closed_tier_is_unavailable(target: Target) -> None:
+    tier = make_tier(target)
     tier.close()
     with pytest.raises(TierUnavailableError):
         tier.get([os.urandom(16)])
     tier.close()  # idempotent
 
 
-def test_cluster_name_is_checked(server: AerospikeTestServer) -> None:
-    right = make_tier(server, cluster_name=server.cluster_name)
+def test_cluster_name_is_checked(target: Target) -> None:
+    right = make_tier(target, cluster_name=target.cluster_name())
     assert right.put([(os.urandom(16), b"j")]) == [True]
     right.close()
-    wrong = make_tier(server, cluster_name="someone-else")  # construction does not raise
+    wrong = make_tier(target, cluster_name="someone-else")  # construction does not raise
     assert wrong.limits is None
     with pytest.raises(TierUnavailableError):
         wrong.put([(os.urandom(16), b"j")])

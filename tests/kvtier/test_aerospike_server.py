@@ -22,6 +22,9 @@ from tests.support.aerospike_server import AerospikeTestServer, NamespaceConfig
 from tests.support.timeouts import scaled_ms
 
 MiB = 1024 * 1024
+pytestmark = pytest.mark.aerospike_emulator(
+    "checks the emulator itself, through the official client"
+)
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@
 Blocks are content-addressed and immutable (same key, same bytes), so every
 tier may skip such a put: the CPU tier by a dict check, the disk tier by the
 file's existence, the Aerospike tier by a batched check before uploading, the
-remote tier by one Exists call. The Aerospike tests measure what the client
-uploads with the test server's byte counter.
+remote tier by one Exists call. The Aerospike test that measures what the
+client uploads counts the bytes at the emulator; the others run on the test
+run's real server (tests/support/aerospike_target.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import aerospike
 import pytest
 
 from kvtier.metrics import StoreMetrics
@@ -25,10 +25,10 @@ from kvtier.tiers.disk import DiskTier
 from tests.kvtier.helpers import block, key
 from tests.server.helpers import remote, running_server, sized_block
 from tests.support.aerospike_server import AerospikeTestServer
+from tests.support.aerospike_target import Target, make_target
 from tests.support.timeouts import scaled, scaled_ms
 
 KiB, MiB = 1024, 1024 * 1024
-NS, SET = "kvcache", "kvblocks"
 SKIPPED = "kvtier_tier_puts_skipped_total"
 SKIPPED_BYTES = "kvtier_tier_put_skipped_bytes_total"
 
@@ -43,9 +43,15 @@ def server() -> Iterator[AerospikeTestServer]:
         yield srv
 
 
-def aerospike_tier(srv: AerospikeTestServer, metrics: StoreMetrics | None = None) -> AerospikeTier:
+def aerospike_tier(
+    srv: AerospikeTestServer | Target, metrics: StoreMetrics | None = None
+) -> AerospikeTier:
+    names = (
+        {"namespace": srv.namespace, "set_name": srv.set_name} if isinstance(srv, Target) else {}
+    )
     cfg = AerospikeTierConfig(
         hosts=[srv.address],  # type: ignore[list-item]
+        **names,  # type: ignore[arg-type]
         total_timeout_ms=scaled_ms(1000),
         write_timeout_ms=scaled_ms(2000),
         socket_timeout_ms=scaled_ms(500),
@@ -53,15 +59,11 @@ def aerospike_tier(srv: AerospikeTestServer, metrics: StoreMetrics | None = None
     return AerospikeTier(cfg, metrics)
 
 
-def record(srv: AerospikeTestServer, k: bytes) -> Manifest | None:
+def record(tier: AerospikeTier, k: bytes) -> Manifest | None:
     """The manifest stored under chunk key ``k`` (``None`` for a single-record block)."""
-    rec = srv.record(NS, bytes(aerospike.calc_digest(NS, SET, bytearray(k))))
-    assert rec is not None
-    return Manifest.decode(rec.bins["m"][1]) if "m" in rec.bins else None
-
-
-def remove(srv: AerospikeTestServer, k: bytes) -> None:
-    assert srv.remove_record(NS, bytes(aerospike.calc_digest(NS, SET, bytearray(k))))
+    ((code, rec),) = tier._read_rows(tier._client, "test", [k], None, tier._exists_policy)
+    assert code == 0
+    return Manifest.decode(rec[2]["m"]) if "m" in rec[2] else None
 
 
 def prefix() -> list[tuple[bytes, bytes]]:
@@ -95,6 +97,7 @@ def test_disk_tier_skips_a_key_whose_file_exists(tmp_path: Path) -> None:
     assert path.stat().st_mtime_ns == before.st_mtime_ns
 
 
+@pytest.mark.aerospike_emulator("counts the bytes the client uploads, at the server")
 def test_a_second_store_uploads_almost_nothing_of_a_saved_prefix(
     server: AerospikeTestServer,
 ) -> None:
@@ -123,25 +126,27 @@ def test_a_second_store_uploads_almost_nothing_of_a_saved_prefix(
     reader.close()
 
 
-def test_an_incomplete_block_is_uploaded_again(server: AerospikeTestServer) -> None:
+def test_an_incomplete_block_is_uploaded_again() -> None:
+    target = make_target()
     big = [(key(i), sized_block(i, 3 * MiB)) for i in range(3)]
     small = (key(9), sized_block(9, 100 * KiB))
-    tier = aerospike_tier(server)
+    tier = aerospike_tier(target)
     assert tier.put([*big, small]) == [True] * 4
     # Block 0: one segment evicted. Block 1: the manifest gone (as if its writer died before
     # committing it). Block 2 and the single-record block: complete.
-    m0 = record(server, big[0][0])
+    m0 = record(tier, big[0][0])
     assert m0 is not None and m0.n_segments >= 3
-    remove(server, m0.segment_keys(big[0][0])[1])
-    remove(server, big[1][0])
+    assert target.remove(m0.segment_keys(big[0][0])[1])
+    assert target.remove(big[1][0])
     metrics = StoreMetrics()
-    again = aerospike_tier(server, metrics)
+    again = aerospike_tier(target, metrics)
     assert again.put([*big, small]) == [True] * 4
     assert skipped(metrics, "aerospike")[0] == 2  # block 2 and the small one
     assert again.stats().broken_manifests == 1  # block 0's manifest, removed and rewritten
     assert again.get([k for k, _ in big] + [small[0]]) == [b for _, b in big] + [small[1]]
     tier.close()
     again.close()
+    target.close()
 
 
 def test_remote_tier_sends_only_what_the_server_lacks() -> None:

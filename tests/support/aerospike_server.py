@@ -5,7 +5,12 @@ is given) and answers the Aerospike wire protocol well enough for the
 official Python client (19.x, C client 7.x) to form a one-node cluster and
 run the commands the kvtier Aerospike tier uses. It exists for tests only:
 it is not a product, not a default, and not a reference for Aerospike's
-behaviour beyond what is listed here.
+behaviour beyond what is listed here. The tier's tests run on a real
+Aerospike server when the machine has one (tests/support/aerospike_target.py);
+this emulator serves the tests that need what a real server cannot be made
+to do on demand (a chosen wire-level fault or error code, a legacy reply, a
+stall on a chosen request), each marked ``aerospike_emulator(reason)``, and
+stands in for the real server on a clone without one.
 
 What it implements:
 
@@ -73,6 +78,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from tests.support import aerospike_usage
 
 # --- protocol constants -------------------------------------------------------
 
@@ -293,6 +300,7 @@ class AerospikeTestServer:
         """Listen and serve (on the same port as before after a :meth:`stop`)."""
         if self._listener is not None:
             return self
+        aerospike_usage.note(aerospike_usage.EMULATOR)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
