@@ -20,7 +20,9 @@ computed, is gathered out of the paged cache (on the step thread, a copy)
 and handed to :class:`ChunkVerifier`, whose thread fetches the stored block
 and compares. A mismatch is counted, the key deleted from every tier and
 held in a bounded :class:`Quarantine` (neither loaded nor saved by this
-process for a while) and logged. Cost: a prefix of n chunks recomputes
+process for a while) and logged; a cache server among the tiers is told
+(``Tier.report_bad``): it deletes the block for every reader and counts it
+against the writer that stored it. Cost: a prefix of n chunks recomputes
 about f·n(n+1)/2 of them, a fraction f·(n+1)/2 of the loaded tokens.
 
 Comparison (:func:`compare_chunk`): the relative RMS error of every
@@ -290,7 +292,9 @@ class ChunkVerifier(QueueWorker[_Check]):
             return
         self._count("mismatch")
         self._quarantine.add(item.key)
-        self._store.delete([item.key])
+        # every tier of this store; a shared one (the cache server) deletes it for everyone
+        # and counts it against its writer
+        self._store.discard_bad([item.key])
         log.warning(
             "kvtier verifier: stored block %s does not match the recomputed KV (%s); deleted "
             "from every tier and quarantined for %.0f s (a block loaded before it can also "

@@ -23,6 +23,8 @@ Layout (little-endian)::
     68     12    reserved (0)
     80     ...   scales: float32 [layers, 2, tokens, kv_heads]   (quantized encodings only)
     ...    ...   payload: [layers, 2 (K,V), tokens, kv_heads, head_dim]
+    ...    104   optional provenance trailer (magic ``KVTW``): who wrote the block,
+                 stamped by the cache server (:mod:`kvtier.provenance`)
 
 The checksum covers the header too, so a flipped dtype or shape field is
 caught even when the lengths still agree. A reader validates magic, version,
@@ -38,6 +40,13 @@ another key — a moved file, a re-put under the wrong key, a race — raises
 :class:`~kvtier.errors.KeyMismatchError` instead of handing another prefix's
 KV to the model. Version 1 blocks (64-byte header, no key) raise
 :class:`~kvtier.errors.UnsupportedVersionError`: a miss, never a guess.
+
+**Provenance trailer.** A block may end with a fixed-size trailer naming
+its writer and an HMAC tag over the rest (:mod:`kvtier.provenance` stamps
+and checks it). The header's lengths and the checksum cover the *body*
+(header, scales, payload) only, so a stamp can be added or replaced without
+re-encoding; :func:`read_header` accepts a block of exactly its body's
+length, or of its body plus one trailer that starts with the trailer magic.
 
 **Bounded decompression.** Before an lz4 payload is decompressed, its
 declared size must equal what its shape implies (checked for every block),
@@ -83,6 +92,10 @@ _CHECKSUM_OFFSET = 44
 _LZ4_MAX_RATIO = 255
 _LZ4_SLACK = 64
 assert _HEADER.size == HEADER_SIZE
+
+TRAILER_MAGIC = b"KVTW"
+TRAILER_SIZE = 104
+"""Bytes of the optional provenance trailer after a block's body (:mod:`kvtier.provenance`)."""
 
 
 class Encoding(enum.IntEnum):
@@ -157,7 +170,10 @@ class BlockHeader:
 
     @property
     def total_len(self) -> int:
-        """Length of the whole encoded block in bytes."""
+        """Length of the encoded block's body (header, scales, payload) in bytes.
+
+        A stamped block is :data:`TRAILER_SIZE` bytes longer (its provenance trailer).
+        """
         return HEADER_SIZE + self.scales_len + self.payload_len
 
 
@@ -386,11 +402,17 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
             f"lz4 payload of {payload_len} bytes cannot decompress to the {raw_len} bytes "
             f"its shape {header.shape} declares"
         )
-    if header.total_len != len(data):
-        raise BadLengthError(
-            f"block is {len(data)} bytes but its header declares {header.total_len}"
-        )
+    body = header.total_len
+    if len(data) != body and not (
+        len(data) == body + TRAILER_SIZE and bytes(data[body : body + 4]) == TRAILER_MAGIC
+    ):
+        raise BadLengthError(f"block is {len(data)} bytes but its header declares {body}")
     return header
+
+
+def has_trailer(data: bytes | bytearray | memoryview, header: BlockHeader) -> bool:
+    """Whether a block that passed :func:`read_header` ends with a provenance trailer."""
+    return len(data) > header.total_len
 
 
 def check_key(header: BlockHeader, key: bytes) -> None:
@@ -419,7 +441,7 @@ def verify_block(data: bytes | bytearray | memoryview, *, key: bytes | None = No
     h = xxhash.xxh64(view[:_CHECKSUM_OFFSET])
     h.update(b"\0" * 8)
     h.update(view[_CHECKSUM_OFFSET + 8 : HEADER_SIZE])
-    h.update(view[HEADER_SIZE:])
+    h.update(view[HEADER_SIZE : header.total_len])
     if h.intdigest() != header.checksum:
         raise ChecksumError("block checksum mismatch")
     return header
@@ -483,7 +505,8 @@ def decode_block(
     if header.compression == Compression.LZ4:
         try:
             raw: bytes | bytearray | memoryview = lz4.block.decompress(
-                memoryview(data)[start:], uncompressed_size=header.raw_payload_len
+                memoryview(data)[start : header.total_len],
+                uncompressed_size=header.raw_payload_len,
             )
         except lz4.block.LZ4BlockError as e:
             raise CorruptBlockError(f"lz4 payload does not decompress: {e}") from None

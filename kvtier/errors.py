@@ -105,3 +105,14 @@ class KeyMismatchError(CorruptBlockError):
     """
 
     reason = "key_mismatch"
+
+
+class ProvenanceError(CorruptBlockError):
+    """A block's provenance trailer is malformed, or its tag does not verify.
+
+    The trailer names who wrote the block (:mod:`kvtier.provenance`); a tag
+    that does not verify means the block, its writer's name or the key it is
+    stored under changed after it was stamped.
+    """
+
+    reason = "provenance"

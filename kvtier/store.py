@@ -24,8 +24,11 @@
 Failures of a tier never escape: a :class:`~kvtier.errors.KvtierError` from a
 tier (timeout, open breaker, misconfiguration) is counted and treated as a
 miss for that tier; a corrupt block (a block of another key included) is
-counted by reason, deleted from the tier that returned it and treated as a
-miss there: the tiers below still get their chance.
+counted by reason, deleted from the tier that returned it (``Tier.report_bad``:
+a shared tier is told why) and treated as a miss there: the tiers below still
+get their chance. ``block_check``, if set, is one more check of blocks read
+from tiers that do not verify their own reads (the cache server checks its
+provenance stamps there).
 
 Deadlines: ``lookup``, ``contains``, ``get`` and ``get_prefix`` take an
 optional ``deadline`` (a :func:`time.monotonic` instant) for the whole call
@@ -138,6 +141,10 @@ class TieredStore:
         self.metrics = metrics if metrics is not None else StoreMetrics()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._closed = False
+        self.block_check: Callable[[bytes, bytes], None] | None = None
+        """Called with ``(key, block)`` for every block read from a tier that does not
+        verify its reads, after the checksum; a :class:`~kvtier.errors.CorruptBlockError`
+        it raises makes the block corrupt (counted, deleted, a miss)."""
         # Tier 0 is written on the caller's thread only if it is fast.
         self._writers: dict[int, BackgroundWriter] = {
             i: BackgroundWriter(t, max_queue=writer_queue, metrics=self.metrics)
@@ -274,6 +281,8 @@ class TieredStore:
                 check_key(read_header(block), bound)
             else:
                 verify_block(block, key=bound)
+                if self.block_check is not None:
+                    self.block_check(key, block)
             return True
         except CorruptBlockError as e:
             log.warning(
@@ -285,7 +294,7 @@ class TieredStore:
             self.metrics.count_corrupt(tier.name, e.reason)
             self.metrics.observe_op(tier.name, "get", "corrupt")
             try:
-                tier.delete([key])
+                tier.report_bad([key])
             except KvtierError as de:
                 self._tier_failed(tier, "delete", de, 1)
             return False
@@ -372,6 +381,23 @@ class TieredStore:
         for tier in self.tiers:
             try:
                 removed = max(removed, tier.delete(keys))
+            except KvtierError as e:
+                self._tier_failed(tier, "delete", e, len(keys))
+        return removed
+
+    def discard_bad(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks found wrong from every tier, telling shared tiers why.
+
+        Like :meth:`delete`, but through ``Tier.report_bad``: the cache server
+        deletes a reported block even for a reader tenant and counts it
+        against the writer that stored it. Returns the most any tier removed.
+        """
+        for writer in self._writers.values():
+            writer.cancel(keys)
+        removed = 0
+        for tier in self.tiers:
+            try:
+                removed = max(removed, tier.report_bad(keys))
             except KvtierError as e:
                 self._tier_failed(tier, "delete", e, len(keys))
         return removed

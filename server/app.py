@@ -28,15 +28,17 @@ from kvtier.config import KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
+from kvtier.server.access import BlockAccess, provenance_secret
 from kvtier.server.config import ServerConfig, is_loopback
 from kvtier.server.dataplane import DataPlaneServer, server_tls_context
+from kvtier.server.deadlines import Reaper
 from kvtier.server.gate import Gate
 from kvtier.server.http import HttpAccess, HttpFrontend
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto.transport import channel_options
 from kvtier.server.service import KvCacheService
 from kvtier.server.stats import History, StatsSource, dashboard_json
-from kvtier.server.tenants import TenantDirectory
+from kvtier.server.tenants import Tenant, TenantDirectory
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,29 @@ class CacheServer:
         self.metrics = ServerMetrics(self.registry)
         self.directory = TenantDirectory(config)
         self.gate = Gate(self.directory, config, self.metrics)
+        self.access = BlockAccess(
+            self.store,
+            self.directory,
+            self.metrics,
+            provenance_secret(config.provenance_key_file),
+        )
+        shared = [t.name for t in self.store.tiers if not t.verifies_reads]
+        if shared:
+            # NOTE: blocks read back from storage others can write must carry our stamp;
+            # our memory and our private disk directory are not hashed again.
+            self.store.block_check = self.access.check_stamp
+            if config.provenance_key_file is None:
+                log.warning(
+                    "tiers %s are checked for this server's provenance stamps, whose key is "
+                    "random for this process: blocks stored there before a restart will be "
+                    "refused after it; set server.provenance_key_file",
+                    shared,
+                )
         self.history = History(StatsSource(self.registry, self.store), config.history_s)
-        self.service = KvCacheService(self.store, self.gate, config, self.metrics, self.history)
+        self._reaper: Reaper | None = None
+        self.service = KvCacheService(
+            self.access, self.gate, config, self.metrics, self.history, self._start_reaper()
+        )
         self._grpc: grpc.Server | None = None
         self._data: DataPlaneServer | None = None
         self._http: HttpFrontend | None = None
@@ -93,6 +116,10 @@ class CacheServer:
         self.port = 0
         self.http_port: int | None = None
         self.data_port: int | None = None
+
+    def _start_reaper(self) -> Reaper:
+        self._reaper = Reaper(lambda reason: self.metrics.cancelled_calls.labels(reason).inc())
+        return self._reaper
 
     @property
     def ready(self) -> bool:
@@ -142,7 +169,7 @@ class CacheServer:
                     if c.tls is not None
                     else None
                 )
-                self._data = DataPlaneServer(c, self.store, self.gate, self.metrics, tls).start()
+                self._data = DataPlaneServer(c, self.access, self.gate, self.metrics, tls).start()
                 self.data_port = self._data.port
                 self.service.data_port = self._data.port
             if c.http_port is not None:
@@ -155,6 +182,8 @@ class CacheServer:
                         self.dashboard_stats,
                         lambda: self.ready,
                         HttpAccess(self.directory, c.http_role) if c.http_require_token else None,
+                        timeout_s=c.http_timeout_s,
+                        max_threads=c.http_max_threads,
                     )
                 except OSError as e:
                     raise ConfigError(
@@ -184,10 +213,12 @@ class CacheServer:
         )
         return self
 
-    def dashboard_stats(self) -> dict[str, Any]:
-        """The ``/api/stats`` document."""
+    def dashboard_stats(self, viewer: Tenant | None = None) -> dict[str, Any]:
+        """The ``/api/stats`` document (``viewer``: who asks; only its own tenant row unless
+        it sees every tenant's; ``None``: an HTTP side without tokens, everything)."""
         return dashboard_json(
             self.history,
+            viewer=None if viewer is None or viewer.sees_everyone else viewer.label,
             meta={
                 "version": self.service.version,
                 "ready": self.ready,
@@ -220,6 +251,8 @@ class CacheServer:
             if not self.service.wait_idle(timeout=max(grace, 1.0)):
                 log.warning("calls still running after the grace period; closing the store anyway")
             self.history.close()
+            if self._reaper is not None:
+                self._reaper.close()
             self.store.close()
             if self._http is not None:
                 self._http.close()

@@ -12,10 +12,21 @@ of the file configures the store the server runs)::
       http_role: reader        # ... of at least this role (default admin)
       threads: 16
       max_block_size: 64MiB
+      namespaces:              # shared namespaces (each tenant has its own unless it names one)
+        - name: fleet
+          trusted_writers: [prefill-a]   # their blocks outrank other writers'; default: every writer
       tenants:
         - name: team-a
           token_sha256: 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08
           role: writer
+        - name: prefill-a            # writes fleet, trusted
+          token_sha256: <digest>
+          role: writer
+          namespace: fleet
+        - name: decode-1             # reads fleet: only trusted writers' blocks (reads: trusted)
+          token_sha256: <digest>
+          role: reader
+          namespace: fleet
         - name: ops
           token_sha256: [<current>, <next>]   # several tokens: rotation
           role: admin
@@ -25,8 +36,9 @@ of the file configures the store the server runs)::
 
 Tokens are configured only as SHA-256 hex digests (``printf %s "$TOKEN" |
 sha256sum``); the server never holds a plain token. ``open`` decides whether
-a request without a token is served (as tenant ``anonymous``, role admin):
-by default only when the server is bound to a loopback address. The HTTP
+a request without a token is served (as tenant ``anonymous``, in a namespace
+of its own; role admin only when no tenant is configured, else writer): by
+default only when the server is bound to a loopback address. The HTTP
 side (``/metrics``, ``/api/stats``, the dashboard) asks for a token only with
 ``http_require_token``; ``/healthz`` and ``/readyz`` never do.
 
@@ -86,13 +98,28 @@ class _Strict(BaseModel):
 
 
 class TenantConfig(_Strict):
-    """One tenant: a name (its key namespace on the server), its token hashes and role."""
+    """One tenant: a principal with its token hashes, role and key namespace."""
 
     name: str = Field(description="1-63 characters of letters, digits, '.', '_', '-'")
     token_sha256: Annotated[list[str], BeforeValidator(_token_list)] = Field(
         min_length=1, description="SHA-256 hex digest of each accepted token (several: rotation)"
     )
     role: Role = "writer"
+    namespace: str | None = Field(
+        None,
+        description="a shared namespace (declared under namespaces) this tenant reads and, "
+        "with role writer or admin, writes; null: a namespace of its own, named after it",
+    )
+    reads: Literal["trusted", "any"] = Field(
+        "trusted",
+        description="in a namespace with trusted_writers: trusted = only their blocks; "
+        "any = theirs first, then other writers' (never for a trusted writer)",
+    )
+    sees_all_stats: bool = Field(
+        False,
+        description="Stats, /api/stats and /metrics show every tenant's traffic (admin always "
+        "does; others see their own)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TenantConfig:
@@ -108,6 +135,32 @@ class TenantConfig(_Strict):
                     f"tenant {self.name!r}: token_sha256 must be 64 lowercase hex digits "
                     "(the SHA-256 of the token, never the token itself)"
                 )
+        return self
+
+
+class NamespaceConfig(_Strict):
+    """A key namespace several tenants share: who is trusted to write it.
+
+    Every tenant whose ``namespace`` names it reads it; those with role
+    writer or admin write it. Blocks of ``trusted_writers`` live apart from
+    other writers' (a later trusted block is never deduplicated away by an
+    earlier untrusted one) and are all that readers with ``reads: trusted``
+    (the default) are served.
+    """
+
+    name: str = Field(description="1-63 characters of letters, digits, '.', '_', '-'")
+    trusted_writers: list[str] | None = Field(
+        None, description="tenants whose blocks readers trust; null: every writer of it"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> NamespaceConfig:
+        if not _TENANT_NAME.match(self.name):
+            raise ValueError(
+                f"namespace name {self.name!r} must be 1-63 letters, digits, '.', '_' or '-'"
+            )
+        if self.name in RESERVED_TENANT_NAMES:
+            raise ValueError(f"namespace name {self.name!r} is reserved")
         return self
 
 
@@ -182,6 +235,50 @@ class ServerConfig(_Strict):
         "null: only when host is a loopback address",
     )
     tenants: list[TenantConfig] = Field(default_factory=list)
+    namespaces: list[NamespaceConfig] = Field(default_factory=list)
+    provenance_key_file: Path | None = Field(
+        None,
+        description="a file whose contents (at least 16 bytes) key the provenance stamps of "
+        "stored blocks; null: a random key per start (stamps then verify only until a restart)",
+    )
+    tenant_max_calls: int | None = Field(
+        None,
+        ge=1,
+        description="gRPC calls one tenant may have in flight (more: RESOURCE_EXHAUSTED); "
+        "null: half of threads, so one tenant never holds every thread",
+    )
+    tenant_max_inflight_put_bytes: ByteCount | None = Field(
+        None,
+        description="block bytes one tenant may be receiving at once, both planes; "
+        "null: a quarter of max_inflight_put_bytes (at least max_block_size)",
+    )
+    stream_idle_timeout_s: float = Field(
+        10.0, gt=0, description="a gRPC stream that sends or takes no frame this long is cancelled"
+    )
+    call_timeout_s: float = Field(
+        120.0, gt=0, description="longest any call or data-plane request may take, start to end"
+    )
+    data_handshake_timeout_s: float = Field(
+        3.0, gt=0, description="a data-plane connection must send its handshake within this"
+    )
+    data_max_pending_per_address: int = Field(
+        8,
+        ge=1,
+        description="data-plane connections of one address still in their handshake; one more "
+        "closes the oldest of them",
+    )
+    data_max_pending: int = Field(
+        64, ge=1, description="data-plane connections in their handshake, all addresses"
+    )
+    tenant_max_data_connections: int | None = Field(
+        None, ge=1, description="data-plane connections of one tenant; null: a quarter of the cap"
+    )
+    http_timeout_s: float = Field(
+        5.0, gt=0, description="an HTTP request must arrive (and its answer be taken) within this"
+    )
+    http_max_threads: int = Field(
+        32, ge=1, description="HTTP requests served at once; more are closed at once"
+    )
     tls: TlsConfig | None = None
     metrics_max_tenants: int = Field(
         100, ge=1, description="tenants named in metric labels (in config order); the rest: 'other'"
@@ -209,6 +306,21 @@ class ServerConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"tenant names must be unique; repeated: {dupes}")
+        self._check_namespaces(names)
+        calls = self.tenant_max_calls
+        if calls is not None and self.threads > 1 and calls >= self.threads:
+            raise ValueError(
+                f"tenant_max_calls ({calls}) must be below threads "
+                f"({self.threads}), or one tenant can hold every thread"
+            )
+        per_tenant = self.tenant_max_inflight_put_bytes
+        if per_tenant is not None and not (
+            self.max_block_size <= per_tenant <= self.max_inflight_put_bytes
+        ):
+            raise ValueError(
+                f"tenant_max_inflight_put_bytes ({per_tenant}) must lie between max_block_size "
+                f"({self.max_block_size}) and max_inflight_put_bytes ({self.max_inflight_put_bytes})"
+            )
         digests = [d for t in self.tenants for d in t.token_sha256]
         if len(set(digests)) != len(digests):
             raise ValueError("a token hash is listed for more than one tenant")
@@ -245,6 +357,62 @@ class ServerConfig(_Strict):
         if self.data_port and self.data_port == self.http_port and same_host:
             raise ValueError(f"data_port and http_port are both {self.data_port}")
         return self
+
+    def _check_namespaces(self, tenant_names: list[str]) -> None:
+        spaces = {n.name: n for n in self.namespaces}
+        if len(spaces) != len(self.namespaces):
+            raise ValueError("namespace names must be unique")
+        for name in spaces:
+            if name in tenant_names:
+                raise ValueError(
+                    f"namespace {name!r} has the name of a tenant (whose own namespace it is)"
+                )
+        members: dict[str, dict[str, TenantConfig]] = {n: {} for n in spaces}
+        for t in self.tenants:
+            if t.namespace is None:
+                if t.reads != "trusted":
+                    raise ValueError(f"tenant {t.name!r}: reads applies to a shared namespace")
+                continue
+            if t.namespace not in spaces:
+                raise ValueError(
+                    f"tenant {t.name!r} names namespace {t.namespace!r}, which is not declared "
+                    "under namespaces"
+                )
+            members[t.namespace][t.name] = t
+        for ns in self.namespaces:
+            for w in ns.trusted_writers or []:
+                member = members[ns.name].get(w)
+                if member is None or ROLE_RANK[member.role] < ROLE_RANK["writer"]:
+                    raise ValueError(
+                        f"namespace {ns.name!r}: trusted writer {w!r} is not a tenant of it "
+                        "with role writer or admin"
+                    )
+                if member.reads == "any":
+                    raise ValueError(
+                        f"tenant {w!r} is a trusted writer of {ns.name!r}: it reads trusted "
+                        "blocks only (drop reads: any)"
+                    )
+
+    @property
+    def effective_tenant_max_calls(self) -> int:
+        """Calls one tenant may have in flight."""
+        if self.tenant_max_calls is not None:
+            return self.tenant_max_calls
+        return max(1, self.threads // 2)
+
+    @property
+    def effective_tenant_put_bytes(self) -> int:
+        """Block bytes one tenant may be receiving at once."""
+        if self.tenant_max_inflight_put_bytes is not None:
+            return self.tenant_max_inflight_put_bytes
+        return max(self.max_block_size, self.max_inflight_put_bytes // 4)
+
+    @property
+    def effective_tenant_data_connections(self) -> int:
+        """Data-plane connections one tenant may hold."""
+        if self.tenant_max_data_connections is not None:
+            return self.tenant_max_data_connections
+        return max(1, self.data_max_connections // 4)
 
     @property
     def is_open(self) -> bool:

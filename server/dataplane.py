@@ -12,14 +12,21 @@ caller).
 ::
 
     start()   bind host:data_port · accept thread
-    accept    over data_max_connections: RESOURCE_EXHAUSTED and close;
+    accept    over data_max_connections authenticated: RESOURCE_EXHAUSTED and close;
               else a thread: TLS handshake (if configured) · session
+    pending   until its handshake authenticates it, a connection is *pending*: it
+              must send the handshake within data_handshake_timeout_s, and one address
+              may have data_max_pending_per_address pending (all addresses
+              data_max_pending): one more closes the oldest pending one, so silent
+              sockets can neither fill the connection cap nor keep a tenant out
+    tenant    an authenticated tenant may hold tenant_max_data_connections
     stop()    stop accepting · wake idle sessions (they close) · wait for
               requests in flight (grace) · then cut what is left
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -27,17 +34,20 @@ import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict
 
 import grpc
 
 from kvtier.errors import ConfigError
+from kvtier.server.access import BlockAccess
+from kvtier.server.admission import RequestError, over_limit
 from kvtier.server.config import ServerConfig
 from kvtier.server.dataplane_session import DataPlaneSession
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto import dataplane as wire
 from kvtier.server.proto.sockio import Stream, StreamError
-from kvtier.store import TieredStore
+from kvtier.server.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +73,8 @@ class DataPlaneServer:
 
     Args:
         config: ``host``, ``data_port``, limits and timeouts.
-        store: Where blocks live.
-        gate: Shared with the gRPC service (tenants, draining, budget, metrics).
+        access: Block data as each tenant may see and store it.
+        gate: Shared with the gRPC service (tenants, draining, budgets, metrics).
         metrics: Server metrics (``data_connections``).
         tls: Server-side TLS context, or ``None`` for plain TCP.
     """
@@ -72,13 +82,13 @@ class DataPlaneServer:
     def __init__(
         self,
         config: ServerConfig,
-        store: TieredStore,
+        access: BlockAccess,
         gate: Gate,
         metrics: ServerMetrics,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self.config = config
-        self.store = store
+        self.access = access
         self.gate = gate
         self.metrics = metrics
         self.tls = tls
@@ -87,6 +97,9 @@ class DataPlaneServer:
         self._wake_r, self._wake_w = os.pipe()
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}  # thread ident -> its socket
+        self._pending: OrderedDict[int, tuple[str, socket.socket]] = OrderedDict()  # oldest first
+        self._tenant_of: dict[int, str] = {}  # thread ident -> its authenticated tenant
+        self._per_tenant: dict[str, int] = {}
         self._threads: set[threading.Thread] = set()
         self._accepting: threading.Thread | None = None
         self._stopping = False
@@ -136,26 +149,41 @@ class DataPlaneServer:
             if self._wake_r in ready or self._stopping:
                 return
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError as e:
                 if self._stopping:
                     return
                 log.warning("data plane: accept failed: %s", e)
                 time.sleep(0.05)  # e.g. out of file descriptors: do not spin
                 continue
-            self._admit(conn)
+            self._admit(conn, str(peer[0]))
 
-    def _admit(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, host: str) -> None:
+        c = self.config
+        evicted: list[socket.socket] = []
         with self._lock:
-            full = len(self._conns) >= self.config.data_max_connections
-            if not full and not self._stopping:
+            full = len(self._conns) - len(self._pending) >= c.data_max_connections
+            admitted = not full and not self._stopping
+            if admitted:
+                same = [i for i, (h, _) in self._pending.items() if h == host]
+                if len(same) >= c.data_max_pending_per_address:
+                    evicted.append(self._pending.pop(same[0])[1])
+                elif len(self._pending) >= c.data_max_pending:
+                    evicted.append(self._pending.popitem(last=False)[1][1])
                 thread = threading.Thread(
                     target=self._serve, args=(conn,), name="kvtier-data-conn", daemon=True
                 )
                 self._threads.add(thread)
                 thread.start()
-                self._conns[thread.ident or 0] = conn
-                return
+                ident = thread.ident or 0
+                self._conns[ident] = conn
+                self._pending[ident] = (host, conn)
+        for old in evicted:  # its thread's handshake read ends: the connection closes
+            self.metrics.rejected.labels("limit").inc()
+            with contextlib.suppress(OSError):
+                old.shutdown(socket.SHUT_RDWR)
+        if admitted:
+            return
         # Refused before the handshake (plaintext reply; a TLS client just sees the close).
         self.metrics.rejected.labels("limit").inc()
         try:
@@ -185,17 +213,18 @@ class DataPlaneServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock = conn
             if self.tls is not None:
-                conn.settimeout(c.data_io_timeout_s)
+                conn.settimeout(c.data_handshake_timeout_s)
                 sock = self.tls.wrap_socket(conn, server_side=True)
                 with self._lock:
                     self._conns[me.ident or 0] = sock
             session = DataPlaneSession(
-                Stream(sock, c.data_io_timeout_s),
-                self.store,
+                Stream(sock, c.data_handshake_timeout_s),
+                self.access,
                 self.gate,
                 c,
                 self.metrics,
                 self._wake_r,
+                self._authenticated,
             )
             session.run()
         except (OSError, ssl.SSLError, StreamError) as e:
@@ -203,9 +232,30 @@ class DataPlaneServer:
         finally:
             conn.close()
             self.metrics.data_connections.dec()
+            ident = me.ident or 0
             with self._lock:
-                self._conns.pop(me.ident or 0, None)
+                self._conns.pop(ident, None)
+                self._pending.pop(ident, None)
+                name = self._tenant_of.pop(ident, None)
+                if name is not None:
+                    self._per_tenant[name] -= 1
                 self._threads.discard(me)
+
+    def _authenticated(self, tenant: Tenant) -> RequestError | None:
+        """The calling connection's handshake authenticated ``tenant``: no longer pending."""
+        ident = threading.get_ident()
+        cap = self.config.effective_tenant_data_connections
+        with self._lock:
+            self._pending.pop(ident, None)
+            held = self._per_tenant.get(tenant.name, 0)
+            if held >= cap:
+                return over_limit(
+                    f"tenant {tenant.name!r} holds {held} data-plane connections, the most one "
+                    "tenant may"
+                )
+            self._per_tenant[tenant.name] = held + 1
+            self._tenant_of[ident] = tenant.name
+        return None
 
     # -- stopping --------------------------------------------------------------------
 

@@ -12,6 +12,12 @@ budget, ``verify_block``, storage) as a gRPC Put stream.
 A refusal answers a STATUS and ends the connection. No request can end the
 process: anything unexpected is logged, answered INTERNAL where possible,
 and closes only this connection.
+
+Deadlines: the handshake must arrive within ``data_handshake_timeout_s``;
+after it each read or write of a request must progress within
+``data_io_timeout_s`` (the idle bound) and a whole request must end within
+``call_timeout_s`` (the total bound), so a client that stalls or drips
+bytes holds its thread and its put reservation for a bounded time.
 """
 
 from __future__ import annotations
@@ -19,19 +25,20 @@ from __future__ import annotations
 import logging
 import select
 import time
+from collections.abc import Callable
 
 import grpc
 
+from kvtier.server.access import BlockAccess
 from kvtier.server.admission import RequestError, draining, invalid, over_limit, unauthenticated
 from kvtier.server.config import UNAUTHENTICATED_LABEL, ServerConfig
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto.sockio import Stream, StreamError
+from kvtier.server.proto.sockio import Stream, StreamError, StreamTimeoutError
 from kvtier.server.receiver import BlockReceiver
 from kvtier.server.service import GET_BATCH
 from kvtier.server.tenants import Tenant
-from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +57,34 @@ class DataPlaneSession:
     """Serves one connection.
 
     Args:
-        stream: The connection (TLS handshake done), timeouts armed.
-        store: Where blocks live.
-        gate: Authentication, roles, draining, accounting, the put budget.
+        stream: The connection (TLS handshake done), armed with the handshake timeout.
+        access: Block data as each tenant may see and store it.
+        gate: Authentication, roles, draining, accounting, the put budgets.
         config: Limits.
         metrics: Server metrics.
         wake_fd: Becomes readable when the server stops (ends an idle wait).
+        on_authenticated: Told the tenant once the handshake authenticated it;
+            returns a refusal when the connection may not stay (too many of
+            the tenant's), else ``None``.
     """
 
     def __init__(
         self,
         stream: Stream,
-        store: TieredStore,
+        access: BlockAccess,
         gate: Gate,
         config: ServerConfig,
         metrics: ServerMetrics,
         wake_fd: int,
+        on_authenticated: Callable[[Tenant], RequestError | None] | None = None,
     ) -> None:
         self.stream = stream
-        self.store = store
+        self.access = access
         self.gate = gate
         self.config = config
         self.metrics = metrics
         self.wake_fd = wake_fd
+        self._on_authenticated = on_authenticated
 
     def run(self) -> None:
         """Handshake, then serve requests until the client leaves, idles out, or the server stops."""
@@ -114,6 +126,10 @@ class DataPlaneSession:
             self.gate.authorize(tenant, "reader", "a token in the data-plane handshake")
             assert tenant is not None
             label = tenant.label
+            refusal = self._on_authenticated(tenant) if self._on_authenticated else None
+            if refusal is not None:
+                raise refusal
+            self.stream.set_timeout(self.config.data_io_timeout_s)
             self.stream.write([wire.hello_reply(wire.OK)])
             code = grpc.StatusCode.OK
             return tenant
@@ -150,6 +166,7 @@ class DataPlaneSession:
         start = time.perf_counter()
         self.gate.enter()
         code = grpc.StatusCode.INTERNAL
+        self.stream.set_deadline(time.monotonic() + self.config.call_timeout_s, keep_timeout=True)
         try:
             if self.gate.draining:
                 raise draining()
@@ -162,6 +179,7 @@ class DataPlaneSession:
             else:
                 raise invalid(f"unknown data-plane op {op} (1: GET, 2: PUT)")
             code = grpc.StatusCode.OK
+            self.stream.set_deadline(None)  # back to the idle bound between requests
             return True
         except RequestError as e:
             code = e.code
@@ -173,6 +191,10 @@ class DataPlaneSession:
             return False  # the error ITEM was sent; code stays INTERNAL
         except StreamError as e:
             code = grpc.StatusCode.CANCELLED  # the client went away or stalled
+            if isinstance(e, StreamTimeoutError):
+                self.metrics.cancelled_calls.labels(
+                    "deadline" if "deadline" in str(e) else "idle"
+                ).inc()
             log.debug("data-plane %s ended early: %s", method, e)
             return False
         except Exception:
@@ -194,15 +216,11 @@ class DataPlaneSession:
         self._check_count(count, "keys")
         raw = self.stream.read_exact(wire.KEY_SIZE * count) if count else b""
         keys = [raw[i : i + wire.KEY_SIZE] for i in range(0, len(raw), wire.KEY_SIZE)]
-        scoped = tenant.scope(keys)
         hits = sent = 0
         started = False
         try:
             for base in range(0, count, GET_BATCH):
-                # the blocks carry the caller's keys, not the scoped ones they are stored under
-                blocks = self.store.get(
-                    scoped[base : base + GET_BATCH], bound_to=keys[base : base + GET_BATCH]
-                )
+                blocks = self.access.get(tenant, keys[base : base + GET_BATCH])
                 # header bytes and views of the stored blocks, sent by one gathered write
                 parts: list[bytes] = [] if started else [wire.OK_STATUS]
                 for block in blocks:
@@ -236,7 +254,12 @@ class DataPlaneSession:
     def _put(self, tenant: Tenant, count: int) -> None:
         self._check_count(count, "blocks")
         receiver = BlockReceiver(
-            tenant, self.store, self.gate.put_budget, self.config, self.metrics
+            tenant,
+            self.access,
+            self.gate.put_budget,
+            self.gate.tenant_budget(tenant),
+            self.config,
+            self.metrics,
         )
         try:
             for _ in range(count):

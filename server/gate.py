@@ -15,7 +15,13 @@ import time
 
 import grpc
 
-from kvtier.server.admission import ByteBudget, RequestError, denied, unauthenticated
+from kvtier.server.admission import (
+    ByteBudget,
+    RequestError,
+    denied,
+    over_limit,
+    unauthenticated,
+)
 from kvtier.server.config import Role, ServerConfig
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
@@ -40,6 +46,11 @@ class Gate:
         self.put_budget = ByteBudget(config.max_inflight_put_bytes)
         """Bytes of half-received blocks, every Put stream and data-plane PUT together."""
         metrics.inflight_put_bytes.set_function(lambda: float(self.put_budget.used))
+        self._tenant_put_bytes = config.effective_tenant_put_bytes
+        self._tenant_budgets: dict[str, ByteBudget] = {}
+        self._max_calls = config.effective_tenant_max_calls
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._draining = False
         self._inflight = 0
         self._idle = threading.Condition()
@@ -76,6 +87,38 @@ class Gate:
             raise unauthenticated(f"this server needs a token: send {how}")
         if not tenant.may(role):
             raise denied(f"tenant {tenant.name!r} has role {tenant.role}; this call needs {role}")
+
+    # -- per tenant -------------------------------------------------------------
+
+    def tenant_budget(self, tenant: Tenant) -> ByteBudget:
+        """The bytes ``tenant`` may be receiving at once (within :attr:`put_budget`)."""
+        with self._lock:
+            budget = self._tenant_budgets.get(tenant.name)
+            if budget is None:
+                budget = self._tenant_budgets[tenant.name] = ByteBudget(self._tenant_put_bytes)
+            return budget
+
+    def admit(self, tenant: Tenant) -> None:
+        """A gRPC call of ``tenant`` starts (pair with :meth:`release`).
+
+        Raises:
+            RequestError: RESOURCE_EXHAUSTED when the tenant already has
+                ``tenant_max_calls`` calls in flight: one tenant never holds
+                every thread of the pool.
+        """
+        with self._lock:
+            n = self._calls.get(tenant.name, 0)
+            if n >= self._max_calls:
+                raise over_limit(
+                    f"tenant {tenant.name!r} has {n} calls in flight, the most one tenant may "
+                    "have; retry later"
+                )
+            self._calls[tenant.name] = n + 1
+
+    def release(self, tenant: Tenant) -> None:
+        """A call admitted by :meth:`admit` ended."""
+        with self._lock:
+            self._calls[tenant.name] -= 1
 
     # -- lifecycle ---------------------------------------------------------------
 

@@ -23,7 +23,15 @@ needs the token of a tenant of at least ``http_role`` (:class:`HttpAccess`):
   dashboard needs no code of its own for this and the token never appears in
   a URL.
 
-No token or an unknown one is a 401, a token of a lesser role a 403.
+No token or an unknown one is a 401, a token of a lesser role a 403. A
+tenant that does not see every tenant's figures (not admin, no
+``sees_all_stats``) gets only its own row in ``/api/stats`` and only its own
+series of the per-tenant metrics in ``/metrics``, as the Stats call does.
+
+Bounded: a request must arrive within ``timeout_s`` (a half-sent one is
+closed after it), and at most ``max_threads`` are served at once; a
+connection beyond them is closed at once, so slow or silent clients cannot
+pile up threads.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from kvtier.server.config import Role
-from kvtier.server.tenants import TenantDirectory, UnknownTokenError
+from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +96,78 @@ class HttpAccess:
 
     def refusal(self, header: str | None) -> tuple[int, str] | None:
         """``None`` when ``header`` (an ``Authorization`` value) admits; else (status, reason)."""
+        return self.admit(header)[1]
+
+    def admit(self, header: str | None) -> tuple[Tenant | None, tuple[int, str] | None]:
+        """(the tenant ``header`` authenticates, ``None`` or the refusal (status, reason))."""
         token = presented_token(header)
         if token is None:
-            return 401, (
+            return None, (
+                401,
                 "a token is required: send 'Authorization: Bearer <token>' "
-                "(in a browser: any user name, the token as password)"
+                "(in a browser: any user name, the token as password)",
             )
         try:
             tenant = self.directory.by_token(token)
         except UnknownTokenError:
-            return 401, "the token matches no tenant"
+            return None, (401, "the token matches no tenant")
         if tenant is None or not tenant.may(self.role):
             role = tenant.role if tenant is not None else "none"
-            return 403, f"tenant role {role} is below {self.role}, which this page needs"
-        return None
+            return tenant, (403, f"tenant role {role} is below {self.role}, which this page needs")
+        return tenant, None
+
+
+class _OwnSeries:
+    """A registry's metrics with only one tenant's series of the per-tenant ones."""
+
+    _LABELS = ("tenant", "writer")
+
+    def __init__(self, registry: CollectorRegistry, label: str) -> None:
+        self._registry = registry
+        self._label = label
+
+    def collect(self) -> list[Metric]:
+        out = []
+        for m in self._registry.collect():
+            keep = [
+                s
+                for s in m.samples
+                if all(s.labels.get(k, self._label) == self._label for k in self._LABELS)
+            ]
+            if len(keep) != len(m.samples):
+                m = Metric(m.name, m.documentation, m.type, m.unit)
+                m.samples = keep
+            out.append(m)
+        return out
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that serves at most ``max_threads`` requests at once."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog (socketserver's 5 makes a burst wait on SYN retries)
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_threads: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_threads)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # closed at once: no thread, no waiting
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class HttpFrontend:
@@ -110,10 +177,12 @@ class HttpFrontend:
         host: Bind address.
         port: Bind port (0: any free port; see :attr:`port` after start).
         registry: What ``/metrics`` exposes.
-        stats_json: Builds the ``/api/stats`` document.
+        stats_json: Builds the ``/api/stats`` document for a viewer (``None``: no token).
         ready: Whether ``/readyz`` says ready.
         access: Who may read every route but ``/healthz`` and ``/readyz``;
             ``None``: anyone.
+        timeout_s: A request must arrive within this (socket timeout).
+        max_threads: Requests served at once; more connections are closed at once.
     """
 
     def __init__(
@@ -121,9 +190,12 @@ class HttpFrontend:
         host: str,
         port: int,
         registry: CollectorRegistry,
-        stats_json: Callable[[], dict[str, Any]],
+        stats_json: Callable[[Tenant | None], dict[str, Any]],
         ready: Callable[[], bool],
         access: HttpAccess | None = None,
+        *,
+        timeout_s: float = 5.0,
+        max_threads: int = 32,
     ) -> None:
         self._registry = registry
         self._stats_json = stats_json
@@ -133,6 +205,7 @@ class HttpFrontend:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "kvtier"
+            timeout = timeout_s  # the socket's: a half-sent request ends here
 
             def do_GET(self) -> None:
                 frontend._route(self)
@@ -140,8 +213,7 @@ class HttpFrontend:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("http %s " + format, self.address_string(), *args)
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _BoundedHTTPServer((host, port), Handler, max_threads)
         self.host = host
         self.port: int = self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
@@ -160,9 +232,10 @@ class HttpFrontend:
 
     def _route(self, h: BaseHTTPRequestHandler) -> None:
         path = h.path.split("?", 1)[0]
+        viewer: Tenant | None = None
         try:
             if self._access is not None and path not in OPEN_PATHS:
-                refused = self._access.refusal(h.headers.get("Authorization"))
+                viewer, refused = self._access.admit(h.headers.get("Authorization"))
                 if refused is not None:
                     self._refuse(h, *refused)
                     return
@@ -176,12 +249,13 @@ class HttpFrontend:
                 else:
                     self._file(h, target)
             elif path == "/api/stats":
-                body = json.dumps(self._stats_json(), allow_nan=False).encode()
+                body = json.dumps(self._stats_json(viewer), allow_nan=False).encode()
                 self._send(h, 200, body, "application/json", cache=False)
             elif path == "/metrics":
-                self._send(
-                    h, 200, generate_latest(self._registry), CONTENT_TYPE_LATEST, cache=False
-                )
+                source: Any = self._registry
+                if viewer is not None and not viewer.sees_everyone:
+                    source = _OwnSeries(self._registry, viewer.label)
+                self._send(h, 200, generate_latest(source), CONTENT_TYPE_LATEST, cache=False)
             elif path == "/healthz":
                 self._send(h, 200, b"ok\n", "text/plain", cache=False)
             elif path == "/readyz":

@@ -72,6 +72,33 @@ class ServerMetrics:
         self.data_connections = Gauge(
             f"{ns}_data_connections", "Data-plane connections open", registry=r
         )
+        self.bad_blocks = Counter(
+            f"{ns}_bad_blocks",
+            "Blocks reported wrong by a reader's verification (deleted), by the tenant that "
+            "wrote them (unknown: unstamped)",
+            ["writer"],
+            registry=r,
+        )
+        self.bad_block_reports = Counter(
+            f"{ns}_bad_block_reports",
+            "Keys reported wrong, by the reporting tenant (found or not)",
+            ["tenant"],
+            registry=r,
+        )
+        self.withheld_blocks = Counter(
+            f"{ns}_withheld_blocks",
+            "Stored blocks not served to a reader, by reason (untrusted: its writer is not "
+            "one the reader trusts; provenance: its stamp did not verify)",
+            ["reason"],
+            registry=r,
+        )
+        self.cancelled_calls = Counter(
+            f"{ns}_cancelled_calls",
+            "Calls and data-plane requests ended by the server, by reason (idle: no progress "
+            "for stream_idle_timeout_s; deadline: past call_timeout_s)",
+            ["reason"],
+            registry=r,
+        )
         self.ready = Gauge(
             f"{ns}_ready", "1 while serving, 0 while starting or draining", registry=r
         )

@@ -5,34 +5,37 @@ a data-plane PUT a block's header (:meth:`BlockReceiver.begin`) then its
 bytes in one piece (:meth:`BlockReceiver.add`), which reach the store without
 a copy.
 
-A block's declared size is reserved from the shared :class:`ByteBudget` when
-its first frame arrives and released when it is stored or dropped, so the
-memory held by half-received blocks is bounded across all streams. A block
+A block's declared size is reserved from the tenant's :class:`ByteBudget` and
+from the shared one when its first frame arrives, and released when it is
+stored or dropped, so the memory held by half-received blocks is bounded
+across all streams, and one tenant cannot take the whole of it. A block
 reaches the store only once all its bytes have come and
 :func:`~kvtier.block.verify_block` passed (the block carries the key it is put
-under); whatever ends the stream early
-(its end, a refusal, a cancelled or dead client) drops the unfinished block.
+under); it is stored stamped with its writer (:mod:`kvtier.server.access`).
+Whatever ends the stream early (its end, a refusal, a cancelled, stalled or
+dead client) drops the unfinished block.
 """
 
 from __future__ import annotations
 
 from kvtier.block import verify_block
 from kvtier.errors import CorruptBlockError
+from kvtier.server.access import BlockAccess
 from kvtier.server.admission import KEY_SIZE, ByteBudget, invalid, over_limit
 from kvtier.server.config import ServerConfig
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto.frames import Buffer, PutFrameView
 from kvtier.server.tenants import Tenant
-from kvtier.store import TieredStore
 
 
 class BlockReceiver:
     """Reassembles the blocks of one Put stream; a block reaches the store only when complete and valid.
 
     Args:
-        tenant: Whose keys the blocks go under.
-        store: Where complete blocks go.
+        tenant: Who writes the blocks.
+        access: Where complete blocks go (stamped, in the tenant's slot).
         budget: Bytes of half-received blocks, shared by every stream.
+        tenant_budget: The same, of this tenant's streams only.
         config: Limits.
         metrics: Bytes in, incomplete blocks.
     """
@@ -40,14 +43,16 @@ class BlockReceiver:
     def __init__(
         self,
         tenant: Tenant,
-        store: TieredStore,
+        access: BlockAccess,
         budget: ByteBudget,
+        tenant_budget: ByteBudget,
         config: ServerConfig,
         metrics: ServerMetrics,
     ) -> None:
         self._tenant = tenant
-        self._store = store
+        self._access = access
         self._budget = budget
+        self._tenant_budget = tenant_budget
         self._config = config
         self._metrics = metrics
         self.blocks = 0
@@ -101,7 +106,13 @@ class BlockReceiver:
             raise over_limit(
                 f"more than {cfg.max_keys_per_call} blocks in one Put stream; split it"
             )
+        if not self._tenant_budget.try_reserve(size):
+            raise over_limit(
+                f"tenant {self._tenant.name!r} is sending too many bytes at once (limit "
+                f"{self._tenant_budget.capacity}); retry later"
+            )
         if not self._budget.try_reserve(size):
+            self._tenant_budget.release(size)
             raise over_limit(
                 f"the server is receiving too many bytes at once (limit "
                 f"{cfg.max_inflight_put_bytes}); retry later"
@@ -141,8 +152,7 @@ class BlockReceiver:
             verify_block(block, key=self._key)  # a block must be put under its own key
         except CorruptBlockError as e:
             raise invalid(f"block #{self.blocks} is not a valid kvtier block: {e}") from None
-        (scoped,) = self._tenant.scope([self._key])
-        self._store.put([(scoped, block)])
+        self._access.put(self._tenant, self._key, block)
         self.blocks += 1
         self.bytes += len(block)
         self._metrics.bytes.labels(self._tenant.label, "in").inc(len(block))
@@ -172,4 +182,5 @@ class BlockReceiver:
     def _release(self) -> None:
         if self._reserved:
             self._budget.release(self._reserved)
+            self._tenant_budget.release(self._reserved)
             self._reserved = 0

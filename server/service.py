@@ -7,6 +7,13 @@ copy-lean codec in :mod:`kvtier.server.proto.frames` (same wire format).
 
 No request can stop the process: a refusal is a :class:`RequestError` turned
 into its status, and anything unexpected is logged and answered INTERNAL.
+
+No tenant can take the server: each may have ``tenant_max_calls`` calls in
+flight (fewer than the pool's threads), and a Get or Put stream that makes
+no progress for ``stream_idle_timeout_s``, or runs past ``call_timeout_s``,
+is cancelled by the :class:`~kvtier.server.deadlines.Reaper`. Block data is
+read and written through :class:`~kvtier.server.access.BlockAccess`
+(namespaces, trust, provenance stamps).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvtier.server.access import BlockAccess
 from kvtier.server.admission import (
     RequestError,
     check_keys,
@@ -28,6 +36,7 @@ from kvtier.server.admission import (
     unauthenticated,
 )
 from kvtier.server.config import UNAUTHENTICATED_LABEL, Role, ServerConfig
+from kvtier.server.deadlines import Reaper, Watch
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.proto import PROTOCOL_VERSION
@@ -44,7 +53,6 @@ from kvtier.server.proto.transport import SERVICE_NAME
 from kvtier.server.receiver import BlockReceiver
 from kvtier.server.stats import History
 from kvtier.server.tenants import Tenant
-from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +104,28 @@ class KvCacheService:
     """The handlers of one server.
 
     Args:
-        store: Where blocks live (the server owns it).
-        gate: Tenants, roles, draining, the put budget and per-call metrics
-            (shared with the data plane).
+        access: Block data, as each tenant may see and store it (the server owns the store).
+        gate: Tenants, roles, draining, the put budgets, per-tenant calls and
+            per-call metrics (shared with the data plane).
         config: Limits.
         metrics: Server metrics.
         history: Figures for the Stats call.
+        reaper: Cancels streams that idle or overrun.
     """
 
     def __init__(
         self,
-        store: TieredStore,
+        access: BlockAccess,
         gate: Gate,
         config: ServerConfig,
         metrics: ServerMetrics,
         history: History,
+        reaper: Reaper,
     ) -> None:
-        self.store = store
+        self.access = access
+        self.store = access.store
         self.gate = gate
+        self.reaper = reaper
         self.config = config
         self.metrics = metrics
         self.history = history
@@ -161,7 +173,8 @@ class KvCacheService:
                 response_serializer=pb.PutResponse.SerializeToString,
             ),
             "Delete": grpc.unary_unary_rpc_method_handler(
-                self._unary("Delete", "writer", self._delete, pb.KeysRequest),
+                # reader: a report of blocks that failed verification; a plain delete needs writer
+                self._unary("Delete", "reader", self._delete, pb.KeysRequest),
                 request_deserializer=_identity,
                 response_serializer=pb.DeleteResponse.SerializeToString,
             ),
@@ -204,6 +217,7 @@ class KvCacheService:
             self.gate.enter()
             label = UNAUTHENTICATED_LABEL
             code = grpc.StatusCode.INTERNAL
+            admitted: Tenant | None = None
             try:
                 if self.gate.draining and method != "Health":
                     raise draining()
@@ -211,6 +225,9 @@ class KvCacheService:
                 if tenant is not None:
                     label = tenant.label
                 self._authorize(tenant, role)
+                if tenant is not None and method != "Health":
+                    self.gate.admit(tenant)
+                    admitted = tenant
                 if request_type is not None:
                     request = _parse(request_type, request)
                 result = fn(tenant, request, context)
@@ -230,6 +247,8 @@ class KvCacheService:
                 )
                 raise AssertionError("unreachable: abort raises") from None
             finally:
+                if admitted is not None:
+                    self.gate.release(admitted)
                 self.gate.leave(method, label, code, start)
 
         return handler
@@ -246,6 +265,7 @@ class KvCacheService:
             self.gate.enter()
             label = UNAUTHENTICATED_LABEL
             code = grpc.StatusCode.INTERNAL
+            admitted: Tenant | None = None
             try:
                 if self.gate.draining:
                     raise draining()
@@ -254,6 +274,8 @@ class KvCacheService:
                     label = tenant.label
                 self._authorize(tenant, role)
                 assert tenant is not None
+                self.gate.admit(tenant)
+                admitted = tenant
                 yield from fn(tenant, _parse(request_type, request), context)
                 code = grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED
             except RequestError as e:
@@ -268,9 +290,19 @@ class KvCacheService:
                     grpc.StatusCode.INTERNAL, f"{method}: internal error (see server log)"
                 )
             finally:
+                if admitted is not None:
+                    self.gate.release(admitted)
                 self.gate.leave(method, label, code, start)
 
         return handler
+
+    def _watch(self, context: grpc.ServicerContext) -> Watch:
+        """Watch a stream: cancelled when idle for stream_idle_timeout_s or past call_timeout_s."""
+        return self.reaper.watch(
+            context.cancel,
+            idle_s=self.config.stream_idle_timeout_s,
+            total_s=self.config.call_timeout_s,
+        )
 
     # -- the calls -------------------------------------------------------------
 
@@ -284,7 +316,7 @@ class KvCacheService:
     ) -> pb.LookupResponse:
         assert tenant is not None
         keys = self._keys(request)
-        hit = self.store.lookup(tenant.scope(keys)) if keys else 0
+        hit = self.access.prefix(tenant, keys) if keys else 0
         self.metrics.keys.labels(tenant.label, "lookup", "requested").inc(len(keys))
         self.metrics.keys.labels(tenant.label, "lookup", "hit").inc(hit)
         return pb.LookupResponse(prefix_length=hit)
@@ -294,16 +326,20 @@ class KvCacheService:
     ) -> pb.ExistsResponse:
         assert tenant is not None
         keys = self._keys(request)
-        return pb.ExistsResponse(present=self.store.contains(tenant.scope(keys)) if keys else [])
+        return pb.ExistsResponse(present=self.access.present(tenant, keys) if keys else [])
 
     def _get(
         self, tenant: Tenant, request: pb.KeysRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         keys = self._keys(request)
         counts = [0, 0]  # hits, bytes sent
+        watch = self._watch(context)
         try:
-            yield from batches(self._get_frames(tenant, keys, counts), self.config.chunk_size)
+            for batch in batches(self._get_frames(tenant, keys, counts), self.config.chunk_size):
+                yield batch
+                watch.touch()  # the client took the last batch
         finally:
+            watch.close()
             self.metrics.keys.labels(tenant.label, "get", "requested").inc(len(keys))
             self.metrics.keys.labels(tenant.label, "get", "hit").inc(counts[0])
             self.metrics.bytes.labels(tenant.label, "out").inc(counts[1])
@@ -311,13 +347,9 @@ class KvCacheService:
     def _get_frames(
         self, tenant: Tenant, keys: list[bytes], counts: list[int]
     ) -> Iterator[FrameParts]:
-        scoped = tenant.scope(keys)
         chunk = self.config.chunk_size
-        for base in range(0, len(scoped), GET_BATCH):
-            # the blocks carry the caller's keys, not the scoped ones they are stored under
-            blocks = self.store.get(
-                scoped[base : base + GET_BATCH], bound_to=keys[base : base + GET_BATCH]
-            )
+        for base in range(0, len(keys), GET_BATCH):
+            blocks = self.access.get(tenant, keys[base : base + GET_BATCH])
             for j, block in enumerate(blocks):
                 index = base + j
                 if block is None:
@@ -334,17 +366,29 @@ class KvCacheService:
         self, tenant: Tenant | None, frames: Iterable[bytes], context: grpc.ServicerContext
     ) -> pb.PutResponse:
         assert tenant is not None
-        receiver = BlockReceiver(tenant, self.store, self.put_budget, self.config, self.metrics)
+        receiver = BlockReceiver(
+            tenant,
+            self.access,
+            self.put_budget,
+            self.gate.tenant_budget(tenant),
+            self.config,
+            self.metrics,
+        )
+        watch = self._watch(context)
         try:
             for raw in frames:
+                watch.touch()
                 try:
                     batch = decode_put_batch(raw)
                 except FrameError as e:
                     raise invalid(f"malformed PutBatch: {e}") from None
                 for frame in batch:
                     receiver.feed(frame)
+            if watch.reason is not None:
+                raise over_limit_stream(watch.reason, self.config)
             receiver.finish()
         finally:
+            watch.close()
             receiver.abandon()
         return pb.PutResponse(blocks=receiver.blocks, bytes=receiver.bytes)
 
@@ -353,7 +397,10 @@ class KvCacheService:
     ) -> pb.DeleteResponse:
         assert tenant is not None
         keys = self._keys(request)
-        return pb.DeleteResponse(deleted=self.store.delete(tenant.scope(keys)) if keys else 0)
+        if request.failed_verification:
+            return pb.DeleteResponse(deleted=self.access.report_bad(tenant, keys) if keys else 0)
+        self._authorize(tenant, "writer")
+        return pb.DeleteResponse(deleted=self.access.delete(tenant, keys))
 
     def _stats(
         self, tenant: Tenant | None, request: pb.StatsRequest, context: grpc.ServicerContext
@@ -361,7 +408,7 @@ class KvCacheService:
         assert tenant is not None
         snap = self.history.source.snapshot()
         recent = self.history.recent()
-        visible = [t for t in snap.tenants if tenant.may("admin") or t.name == tenant.label]
+        visible = [t for t in snap.tenants if tenant.sees_everyone or t.name == tenant.label]
         response = pb.StatsResponse(
             version=self.version,
             uptime_s=time.time() - self.started,
@@ -439,3 +486,15 @@ class KvCacheService:
             data_port=self.data_port,
             data_protocol_version=DATA_PROTOCOL_VERSION if self.data_port else 0,
         )
+
+
+def over_limit_stream(reason: str, config: ServerConfig) -> RequestError:
+    """The refusal of a stream the server cancelled (DEADLINE_EXCEEDED)."""
+    what = (
+        f"no frame for {config.stream_idle_timeout_s:g} s"
+        if reason == "idle"
+        else f"longer than {config.call_timeout_s:g} s"
+    )
+    return RequestError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"the stream was cancelled: {what}", "limit"
+    )

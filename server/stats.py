@@ -309,9 +309,17 @@ class History:
 
 
 def dashboard_json(
-    history: History, *, meta: dict[str, Any], top_tenants: int = 10
+    history: History,
+    *,
+    meta: dict[str, Any],
+    top_tenants: int = 10,
+    viewer: str | None = None,
 ) -> dict[str, Any]:
-    """What ``/api/stats`` returns: the latest figures, recent rates and the series."""
+    """What ``/api/stats`` returns: the latest figures, recent rates and the series.
+
+    ``viewer``: the metrics label of the tenant asking; its row is the only
+    tenant row shown (as the Stats call shows a non-admin). ``None``: every tenant.
+    """
     pts = history.points()
     now = history.source.snapshot()
     series = []
@@ -332,7 +340,7 @@ def dashboard_json(
     recent = history.recent()
     recent_tenants = recent.tenants if recent is not None else {}
     tenants = sorted(
-        now.tenants,
+        [t for t in now.tenants if viewer is None or t.name == viewer],
         key=lambda t: (
             -recent_tenants.get(t.name, {}).get("bytes_per_s", 0.0),
             -(t.bytes_in + t.bytes_out),

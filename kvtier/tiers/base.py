@@ -112,6 +112,15 @@ class Tier(abc.ABC):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove the keys that are present; returns how many were removed."""
 
+    def report_bad(self, keys: Sequence[bytes]) -> int:
+        """Remove blocks found wrong (corrupt, or failing verification); how many were removed.
+
+        A tier shared through a server tells it why (the cache server deletes
+        the block even for a reader and counts it against its writer); the
+        default is :meth:`delete`.
+        """
+        return self.delete(keys)
+
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Bytes used, capacity and block count."""

@@ -23,7 +23,15 @@ for ``breaker_reset_s`` (Get/Put use gRPC meanwhile) and counted in
 **Write dedup.** Blocks are content-addressed, so ``put`` first asks the
 server which keys it already holds (one Exists call per ``max_keys_per_call``
 keys) and sends only the others (``skip_existing``, on by default); the
-skipped ones count in ``kvtier_tier_puts_skipped_total``.
+skipped ones count in ``kvtier_tier_puts_skipped_total``. The server answers
+Exists from the slots this tenant reads, so a trusted writer is never told
+that an untrusted writer's block holds its key. A token of role reader
+sends no puts (they would be refused).
+
+**Bad blocks.** ``report_bad`` (the store's answer to a corrupt block, and
+sampled verification's to a mismatch) is a Delete marked
+``failed_verification``: the server deletes the block even for a reader and
+counts it against the writer that stored it.
 
 **Deadlines.** ``get``, ``contains`` and ``prefix_length`` take an optional
 ``deadline`` (a :func:`time.monotonic` instant) for the whole call: the
@@ -224,6 +232,7 @@ class RemoteTier(Tier):
             min_attempt=MIN_ATTEMPT_S,
         )
         self._limits: pb.Limits | None = None
+        self._role = ""  # the tenant's role, from Health (a reader's puts are not sent)
         self._limits_lock = threading.Lock()
         fallback = None
         if metrics is not None:
@@ -307,6 +316,7 @@ class RemoteTier(Tier):
         self._planes.advertised(int(health.data_port) if speaks else 0)
         with self._limits_lock:
             self._limits = lim
+            self._role = health.role
         return lim
 
     def _forget_limits(self) -> None:
@@ -491,6 +501,8 @@ class RemoteTier(Tier):
         if not items:
             return []
         lim = self.limits()
+        if self._role == "reader":  # a read-only token: the server would refuse every put
+            return [False] * len(items)
         stored = [len(block) <= lim.max_block_size for _, block in items]
         todo = [i for i, ok in enumerate(stored) if ok]
         if todo and self.config.skip_existing:
@@ -575,9 +587,17 @@ class RemoteTier(Tier):
         return self._planes.counts()
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        return self._delete_keys(keys, failed_verification=False)
+
+    def report_bad(self, keys: Sequence[bytes]) -> int:
+        """Tell the server these blocks are wrong: it deletes what this tenant would be
+        served (also for a reader) and counts it against the writer that stored it."""
+        return self._delete_keys(keys, failed_verification=True)
+
+    def _delete_keys(self, keys: Sequence[bytes], *, failed_verification: bool) -> int:
         removed = 0
         for a, b in self._batches(len(keys)):
-            req = pb.KeysRequest(keys=keys[a:b])
+            req = pb.KeysRequest(keys=keys[a:b], failed_verification=failed_verification)
             resp = self._call(
                 "delete",
                 lambda req=req: self._delete(  # type: ignore[misc]

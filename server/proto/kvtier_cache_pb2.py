@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvtier/server/proto/kvtier_cache.proto\x12\x0fkvtier.cache.v1\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\'\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"T\n\x08GetFrame\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"5\n\x08GetBatch\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.kvtier.cache.v1.GetFrame\"3\n\x08PutFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"5\n\x08PutBatch\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.kvtier.cache.v1.PutFrame\",\n\x0bPutResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf9\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x10\n\x08get_hits\x18\x05 \x01(\x04\x12\x12\n\nget_misses\x18\x06 \x01(\x04\x12\x15\n\rcontains_hits\x18\x07 \x01(\x04\x12\x17\n\x0f\x63ontains_misses\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x15\n\rbytes_written\x18\x0c \x01(\x04\"\xb0\x01\n\x0bTenantStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x13\n\x0blookup_keys\x18\x06 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x07 \x01(\x04\x12\x10\n\x08get_keys\x18\x08 \x01(\x04\x12\x10\n\x08get_hits\x18\t \x01(\x04\"\x97\x01\n\x0bRecentRates\x12\x10\n\x08window_s\x18\x01 \x01(\x01\x12\x17\n\x0flookup_hit_rate\x18\x02 \x01(\x01\x12\x14\n\x0cget_hit_rate\x18\x03 \x01(\x01\x12\x16\n\x0e\x62ytes_in_per_s\x18\x04 \x01(\x01\x12\x17\n\x0f\x62ytes_out_per_s\x18\x05 \x01(\x01\x12\x16\n\x0erequests_per_s\x18\x06 \x01(\x01\"\xcf\x02\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x13\n\x0blookup_keys\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x10\n\x08get_keys\x18\x05 \x01(\x04\x12\x10\n\x08get_hits\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x10\n\x08requests\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12)\n\x05tiers\x18\x0b \x03(\x0b\x32\x1a.kvtier.cache.v1.TierStats\x12-\n\x07tenants\x18\x0c \x03(\x0b\x32\x1c.kvtier.cache.v1.TenantStats\x12,\n\x06recent\x18\r \x01(\x0b\x32\x1c.kvtier.cache.v1.RecentRates\"\x0f\n\rHealthRequest\"i\n\x06Limits\x12\x16\n\x0emax_block_size\x18\x01 \x01(\x04\x12\x19\n\x11max_keys_per_call\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x18\n\x10max_message_size\x18\x04 \x01(\x04\"\x9e\x02\n\x0eHealthResponse\x12\x36\n\x06status\x18\x01 \x01(\x0e\x32&.kvtier.cache.v1.HealthResponse.Status\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.kvtier.cache.v1.Limits\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\r\x12\x1d\n\x15\x64\x61ta_protocol_version\x18\x08 \x01(\r\"0\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\x32\xfb\x03\n\x07KvCache\x12G\n\x06Lookup\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.LookupResponse\x12G\n\x06\x45xists\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.ExistsResponse\x12@\n\x03Get\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x19.kvtier.cache.v1.GetBatch0\x01\x12@\n\x03Put\x12\x19.kvtier.cache.v1.PutBatch\x1a\x1c.kvtier.cache.v1.PutResponse(\x01\x12G\n\x06\x44\x65lete\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvtier.cache.v1.StatsRequest\x1a\x1e.kvtier.cache.v1.StatsResponse\x12I\n\x06Health\x12\x1e.kvtier.cache.v1.HealthRequest\x1a\x1f.kvtier.cache.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvtier/server/proto/kvtier_cache.proto\x12\x0fkvtier.cache.v1\"8\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x1b\n\x13\x66\x61iled_verification\x18\x02 \x01(\x08\"\'\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\"T\n\x08GetFrame\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"5\n\x08GetBatch\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.kvtier.cache.v1.GetFrame\"3\n\x08PutFrame\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"5\n\x08PutBatch\x12)\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x19.kvtier.cache.v1.PutFrame\",\n\x0bPutResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf9\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x10\n\x08get_hits\x18\x05 \x01(\x04\x12\x12\n\nget_misses\x18\x06 \x01(\x04\x12\x15\n\rcontains_hits\x18\x07 \x01(\x04\x12\x17\n\x0f\x63ontains_misses\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12\x12\n\nbytes_read\x18\x0b \x01(\x04\x12\x15\n\rbytes_written\x18\x0c \x01(\x04\"\xb0\x01\n\x0bTenantStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x13\n\x0blookup_keys\x18\x06 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x07 \x01(\x04\x12\x10\n\x08get_keys\x18\x08 \x01(\x04\x12\x10\n\x08get_hits\x18\t \x01(\x04\"\x97\x01\n\x0bRecentRates\x12\x10\n\x08window_s\x18\x01 \x01(\x01\x12\x17\n\x0flookup_hit_rate\x18\x02 \x01(\x01\x12\x14\n\x0cget_hit_rate\x18\x03 \x01(\x01\x12\x16\n\x0e\x62ytes_in_per_s\x18\x04 \x01(\x01\x12\x17\n\x0f\x62ytes_out_per_s\x18\x05 \x01(\x01\x12\x16\n\x0erequests_per_s\x18\x06 \x01(\x01\"\xcf\x02\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x13\n\x0blookup_keys\x18\x03 \x01(\x04\x12\x13\n\x0blookup_hits\x18\x04 \x01(\x04\x12\x10\n\x08get_keys\x18\x05 \x01(\x04\x12\x10\n\x08get_hits\x18\x06 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x07 \x01(\x04\x12\x11\n\tbytes_out\x18\x08 \x01(\x04\x12\x10\n\x08requests\x18\t \x01(\x04\x12\x0e\n\x06\x65rrors\x18\n \x01(\x04\x12)\n\x05tiers\x18\x0b \x03(\x0b\x32\x1a.kvtier.cache.v1.TierStats\x12-\n\x07tenants\x18\x0c \x03(\x0b\x32\x1c.kvtier.cache.v1.TenantStats\x12,\n\x06recent\x18\r \x01(\x0b\x32\x1c.kvtier.cache.v1.RecentRates\"\x0f\n\rHealthRequest\"i\n\x06Limits\x12\x16\n\x0emax_block_size\x18\x01 \x01(\x04\x12\x19\n\x11max_keys_per_call\x18\x02 \x01(\r\x12\x12\n\nchunk_size\x18\x03 \x01(\r\x12\x18\n\x10max_message_size\x18\x04 \x01(\x04\"\x9e\x02\n\x0eHealthResponse\x12\x36\n\x06status\x18\x01 \x01(\x0e\x32&.kvtier.cache.v1.HealthResponse.Status\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.kvtier.cache.v1.Limits\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\r\x12\x1d\n\x15\x64\x61ta_protocol_version\x18\x08 \x01(\r\"0\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0c\n\x08\x44RAINING\x10\x02\x32\xfb\x03\n\x07KvCache\x12G\n\x06Lookup\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.LookupResponse\x12G\n\x06\x45xists\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.ExistsResponse\x12@\n\x03Get\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x19.kvtier.cache.v1.GetBatch0\x01\x12@\n\x03Put\x12\x19.kvtier.cache.v1.PutBatch\x1a\x1c.kvtier.cache.v1.PutResponse(\x01\x12G\n\x06\x44\x65lete\x12\x1c.kvtier.cache.v1.KeysRequest\x1a\x1f.kvtier.cache.v1.DeleteResponse\x12\x46\n\x05Stats\x12\x1d.kvtier.cache.v1.StatsRequest\x1a\x1e.kvtier.cache.v1.StatsResponse\x12I\n\x06Health\x12\x1e.kvtier.cache.v1.HealthRequest\x1a\x1f.kvtier.cache.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvtier.server.proto.kvtier_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KEYSREQUEST']._serialized_start=59
-  _globals['_KEYSREQUEST']._serialized_end=86
-  _globals['_LOOKUPRESPONSE']._serialized_start=88
-  _globals['_LOOKUPRESPONSE']._serialized_end=127
-  _globals['_EXISTSRESPONSE']._serialized_start=129
-  _globals['_EXISTSRESPONSE']._serialized_end=162
-  _globals['_GETFRAME']._serialized_start=164
-  _globals['_GETFRAME']._serialized_end=248
-  _globals['_GETBATCH']._serialized_start=250
-  _globals['_GETBATCH']._serialized_end=303
-  _globals['_PUTFRAME']._serialized_start=305
-  _globals['_PUTFRAME']._serialized_end=356
-  _globals['_PUTBATCH']._serialized_start=358
-  _globals['_PUTBATCH']._serialized_end=411
-  _globals['_PUTRESPONSE']._serialized_start=413
-  _globals['_PUTRESPONSE']._serialized_end=457
-  _globals['_DELETERESPONSE']._serialized_start=459
-  _globals['_DELETERESPONSE']._serialized_end=492
-  _globals['_STATSREQUEST']._serialized_start=494
-  _globals['_STATSREQUEST']._serialized_end=508
-  _globals['_TIERSTATS']._serialized_start=511
-  _globals['_TIERSTATS']._serialized_end=760
-  _globals['_TENANTSTATS']._serialized_start=763
-  _globals['_TENANTSTATS']._serialized_end=939
-  _globals['_RECENTRATES']._serialized_start=942
-  _globals['_RECENTRATES']._serialized_end=1093
-  _globals['_STATSRESPONSE']._serialized_start=1096
-  _globals['_STATSRESPONSE']._serialized_end=1431
-  _globals['_HEALTHREQUEST']._serialized_start=1433
-  _globals['_HEALTHREQUEST']._serialized_end=1448
-  _globals['_LIMITS']._serialized_start=1450
-  _globals['_LIMITS']._serialized_end=1555
-  _globals['_HEALTHRESPONSE']._serialized_start=1558
-  _globals['_HEALTHRESPONSE']._serialized_end=1844
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1796
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1844
-  _globals['_KVCACHE']._serialized_start=1847
-  _globals['_KVCACHE']._serialized_end=2354
+  _globals['_KEYSREQUEST']._serialized_end=115
+  _globals['_LOOKUPRESPONSE']._serialized_start=117
+  _globals['_LOOKUPRESPONSE']._serialized_end=156
+  _globals['_EXISTSRESPONSE']._serialized_start=158
+  _globals['_EXISTSRESPONSE']._serialized_end=191
+  _globals['_GETFRAME']._serialized_start=193
+  _globals['_GETFRAME']._serialized_end=277
+  _globals['_GETBATCH']._serialized_start=279
+  _globals['_GETBATCH']._serialized_end=332
+  _globals['_PUTFRAME']._serialized_start=334
+  _globals['_PUTFRAME']._serialized_end=385
+  _globals['_PUTBATCH']._serialized_start=387
+  _globals['_PUTBATCH']._serialized_end=440
+  _globals['_PUTRESPONSE']._serialized_start=442
+  _globals['_PUTRESPONSE']._serialized_end=486
+  _globals['_DELETERESPONSE']._serialized_start=488
+  _globals['_DELETERESPONSE']._serialized_end=521
+  _globals['_STATSREQUEST']._serialized_start=523
+  _globals['_STATSREQUEST']._serialized_end=537
+  _globals['_TIERSTATS']._serialized_start=540
+  _globals['_TIERSTATS']._serialized_end=789
+  _globals['_TENANTSTATS']._serialized_start=792
+  _globals['_TENANTSTATS']._serialized_end=968
+  _globals['_RECENTRATES']._serialized_start=971
+  _globals['_RECENTRATES']._serialized_end=1122
+  _globals['_STATSRESPONSE']._serialized_start=1125
+  _globals['_STATSRESPONSE']._serialized_end=1460
+  _globals['_HEALTHREQUEST']._serialized_start=1462
+  _globals['_HEALTHREQUEST']._serialized_end=1477
+  _globals['_LIMITS']._serialized_start=1479
+  _globals['_LIMITS']._serialized_end=1584
+  _globals['_HEALTHRESPONSE']._serialized_start=1587
+  _globals['_HEALTHRESPONSE']._serialized_end=1873
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1825
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1873
+  _globals['_KVCACHE']._serialized_start=1876
+  _globals['_KVCACHE']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)

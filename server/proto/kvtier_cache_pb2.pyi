@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "failed_verification")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_VERIFICATION_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    failed_verification: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., failed_verification: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_length",)

@@ -103,7 +103,9 @@ class KvCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Remove keys; answers how many were present.
+        """Remove keys; answers how many were present. With failed_verification set,
+        any tenant (a reader too) reports blocks it found wrong: the block it
+        would be served is deleted and counted against the writer that stored it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -78,6 +78,7 @@ class Stream:
         """Bytes read so far (a caller can tell whether a peer answered at all)."""
         self._timeout = timeout_s
         self._deadline: float | None = None
+        self._keep_timeout = False
         self._armed = -1.0
         if not self.tls:
             sock.settimeout(None)  # blocking: MSG_WAITALL works, kernel timeouts bound it
@@ -91,14 +92,17 @@ class Stream:
         self._deadline = None
         self._arm(timeout_s)
 
-    def set_deadline(self, deadline: float | None) -> None:
+    def set_deadline(self, deadline: float | None, *, keep_timeout: bool = False) -> None:
         """Bound every following operation by the monotonic time ``deadline`` (``None``: clear).
 
         Each operation is armed with the time left (re-armed only when that
         drifted by more than 10 %, to save system calls), and loops check
-        the deadline between system calls.
+        the deadline between system calls. With ``keep_timeout`` each
+        operation stays bounded by the per-operation timeout too (a server's
+        idle bound inside a request's total one).
         """
         self._deadline = deadline
+        self._keep_timeout = keep_timeout
         if deadline is None:
             self._arm(self._timeout)
 
@@ -109,6 +113,8 @@ class Stream:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise StreamTimeoutError("the deadline passed")
+        if self._keep_timeout and self._timeout < left:
+            left = self._timeout
         self._arm(left)
         return left
 

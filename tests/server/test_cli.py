@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from kvtier.block import verify_block
 from kvtier.cli import main
 from kvtier.errors import ConfigError
+from kvtier.provenance import unstamped, writer_of
 from kvtier.server.loader import SERVER_DISK_DIR, load_server_config
 from kvtier.server.proto import kvtier_cache_pb2 as pb
 from kvtier.server.tenants import scope_key, tenant_salt
@@ -146,7 +147,8 @@ def test_serve_finishes_a_put_in_flight_on_sigterm_and_flushes_to_disk(tmp_path:
     disk = DiskTier(tmp_path / "disk", 256 << 20)
     scoped = scope_key(tenant_salt("alpha"), k)
     (got,) = disk.get([scoped])
-    assert got == data
+    assert got is not None and bytes(unstamped(got)) == data
+    assert writer_of(got) == "alpha"  # stored stamped with its writer
     verify_block(got)
     disk.close()
 

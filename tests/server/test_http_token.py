@@ -79,6 +79,34 @@ def test_http_role_reader_admits_every_tenant() -> None:
             assert _get(base + "/metrics", f"Bearer {TOKENS[name]}")[0] == 200
 
 
+def test_a_tenant_sees_only_its_own_traffic_unless_it_sees_everyone() -> None:
+    roles = {"alpha": "writer", "beta": "writer", "ops": "admin"}
+    config = server_config(tenants=tenants(roles), http_require_token=True, http_role="reader")
+    with running_server(config) as server:
+        base = f"http://127.0.0.1:{server.http_port}"
+        for name in ("alpha", "beta"):
+            tier = remote(server, TOKENS[name])
+            tier.put([(key(1), block(1))])
+            tier.close()
+
+        def rows(token: str) -> set[str]:
+            status, body, _ = _get(base + "/api/stats", f"Bearer {token}")
+            assert status == 200
+            return {t["name"] for t in json.loads(body)["tenants"]}
+
+        deadline = time.monotonic() + 30
+        while rows(TOKENS["ops"]) < {"alpha", "beta"}:
+            assert time.monotonic() < deadline, "the stats sampler never saw both tenants"
+            time.sleep(0.2)
+        assert rows(TOKENS["alpha"]) == {"alpha"}
+        _, text, _ = _get(base + "/metrics", f"Bearer {TOKENS['alpha']}")
+        tenants_seen = set(re.findall(rb'tenant="([^"]+)"', text))
+        assert tenants_seen == {b"alpha"}
+        assert b"kvtier_server_ready 1.0" in text  # figures without a tenant stay
+        _, text, _ = _get(base + "/metrics", f"Bearer {TOKENS['ops']}")
+        assert {b"alpha", b"beta"} <= set(re.findall(rb'tenant="([^"]+)"', text))
+
+
 def test_an_open_server_still_needs_a_token_on_http_when_required() -> None:
     config = server_config(tenants=tenants(), open=True, http_require_token=True)
     with running_server(config) as server:

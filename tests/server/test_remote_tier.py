@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.block import TRAILER_SIZE
 from kvtier.errors import AuthError, ConfigError, TierUnavailableError, TransientError
 from kvtier.server.config import TlsConfig
 from kvtier.store import TieredStore
@@ -48,7 +49,8 @@ def test_round_trip_and_the_tier_contract(data_plane: bool) -> None:
         assert tier.prefix_length(ks) == 0
         assert tier.get([]) == [] and tier.contains([]) == [] and tier.put([]) == []
         assert tier.prefix_length([]) == 0 and tier.delete([]) == 0
-        assert tier.usage().used_bytes == sum(len(b) for _, b in items[1:])
+        # the server stores each block with its provenance stamp (kvtier/provenance.py)
+        assert tier.usage().used_bytes == sum(len(b) + TRAILER_SIZE for _, b in items[1:])
         t = tier.transport()
         assert (t.data_gets > 0, t.grpc_gets > 0) == (data_plane, not data_plane)
         assert (t.data_puts, t.grpc_puts) == ((1, 0) if data_plane else (0, 1))

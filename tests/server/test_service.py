@@ -73,6 +73,7 @@ def closed_server():
         chunk_size=64 * 1024,
         max_keys_per_call=64,
         max_inflight_put_bytes=2 * MiB,
+        tenant_max_inflight_put_bytes=2 * MiB,  # the shared budget is tested here
         http_port=None,
     )
     with running_server(cfg) as server:
