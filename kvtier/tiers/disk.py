@@ -35,6 +35,9 @@ be configured for it:
 * Unlinking a file another process is reading is safe on POSIX (the reader
   keeps its open file).
 
+Directories it creates are 0700 and block files 0600 (:mod:`~kvtier.tiers.disk_files`):
+only this user reads the KV, which reveals the prompts it came from.
+
 On start the tier removes abandoned temp files and indexes ``blocks/``
 (oldest modification first in the eviction order), so its contents survive
 restarts. Every read is verified (header, lengths, checksum): a torn,
@@ -69,6 +72,7 @@ from kvtier.tiers.base import EvictionListener, Tier, TierUsage
 from kvtier.tiers.disk_files import (
     BlockFile,
     block_path,
+    make_private_dirs,
     scan_blocks,
     sweep_tmp,
     write_block_file,
@@ -141,8 +145,16 @@ class DiskTier(Tier):
         self.corrupt_blocks = 0
         self._blocks_dir = self.root / "blocks"
         self._tmp_dir = self.root / "tmp"
-        self._blocks_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self._blocks_dir)
+        make_private_dirs(self._tmp_dir)
+        if self.root.stat().st_mode & 0o077:
+            log.warning(
+                "disk tier %s: %s is open to other users (mode %o); KV reveals the prompts "
+                "it came from: chmod 700 it unless sharing is meant",
+                name,
+                self.root,
+                self.root.stat().st_mode & 0o777,
+            )
         self._rescan()
 
     # -- the directory ------------------------------------------------------

@@ -14,6 +14,13 @@ removes a temp file only if no process holds its lock *and* it is older than
 locking it, and writers that do not lock). The pid in the name is for people
 reading the directory; liveness is the lock's, which also holds across pid
 namespaces (containers sharing a host directory) and after pid reuse.
+
+**Private by default.** KV reveals the prompts it was computed from, so
+directories the tier creates are ``0700`` (:data:`DIR_MODE`) and block files
+``0600`` (:data:`FILE_MODE`), whatever the umask: only the user the engines
+run as can read or write them. A directory that already exists keeps its
+mode (an operator may share one on purpose); :func:`is_shared_dir` tells
+whether others can write it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,36 @@ TMP_SUFFIX = ".part"
 STALE_TMP_S = 300.0
 """An unlocked temp file younger than this is left alone (it may be a write that has not
 locked it yet)."""
+
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents with mode 0700 (existing ones are left as they are)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue  # another process made it meanwhile
+        os.chmod(d, DIR_MODE)  # NOTE: mkdir's mode is masked by the umask; chmod is not
+
+
+def is_shared_dir(path: Path) -> bool:
+    """Whether principals other than this user can write ``path`` (group/other write, another owner)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return bool(st.st_mode & 0o022) or st.st_uid != os.geteuid()
 
 
 @dataclass(frozen=True)
@@ -89,11 +126,14 @@ def write_block_file(tmp_dir: Path, final: Path, block: bytes, *, fsync: bool) -
         OSError: the write failed (the temp file is removed).
     """
     tmp = tmp_dir / f"{os.getpid()}-{uuid.uuid4().hex}{TMP_SUFFIX}"
-    # parents=True: a directory removed behind our back is recreated.
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir.mkdir(parents=True, exist_ok=True)
+    # a directory removed behind our back is recreated (private)
+    if not final.parent.is_dir():
+        make_private_dirs(final.parent)
+    if not tmp_dir.is_dir():
+        make_private_dirs(tmp_dir)
     try:
-        with open(tmp, "xb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        with open(fd, "wb") as f:
             # NOTE: the lock marks the file as in flight for other processes' sweeps;
             # it is released when the file is closed, after the rename.
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
