@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from typing import Any
 
 import aerospike
@@ -269,8 +270,17 @@ class RealServerTarget(Target):
             assert reply == "ok", reply
 
     def close(self) -> None:
-        self._client.truncate(self.namespace, self.set_name, 0)
-        self.set_max_record_size(self._original_cap)
+        # NOTE: retried: right after a node restarted, the client's next info call to it
+        # can time out on a connection of the old process.
+        for attempt in range(20):
+            try:
+                self._client.truncate(self.namespace, self.set_name, 0)
+                self.set_max_record_size(self._original_cap)
+                break
+            except aerospike.exception.AerospikeError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
         self._client.close()
 
 
