@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.block import BlockSpec, Compression, Encoding
-from kvtier.config import KvtierConfig, load_config
+from kvtier.config import KvtierConfig, effective_verify_fraction, load_config
 from kvtier.connectors.load_job import Fetcher, LoadJob, Placed
 from kvtier.connectors.loader import place_chunks
 from kvtier.connectors.lookup import AsyncLookups, LookupStats
@@ -156,8 +156,10 @@ class KvtierConnector(KVConnector):
         self._fetcher = Fetcher(self.store, cc.load_workers)
         # sampled verification of hits (verify.py): the verifier starts with the KV layout
         self._sample = verify_sampler
-        if self._sample is None and cc.verify_fraction > 0:
-            self._sample = random_sampler(cc.verify_fraction)
+        fraction = effective_verify_fraction(self.config)
+        if self._sample is None and fraction > 0:
+            self._sample = random_sampler(fraction)
+            log.info("kvtier: sampled verification of %.3g of loaded chunks", fraction)
         self.quarantine = Quarantine()
         self._lookups = AsyncLookups(
             self._fetcher,

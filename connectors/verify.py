@@ -234,6 +234,8 @@ class ChunkVerifier(QueueWorker[_Check]):
         metrics: ``kvtier_verify_checks_total``.
         max_queue: Chunks waiting to be compared; more are dropped (counted).
         fetch_timeout_s: Deadline of one block's fetch.
+        on_mismatch: Told each key found wrong (on the verifier's thread), after
+            it was deleted and quarantined.
     """
 
     def __init__(
@@ -245,7 +247,9 @@ class ChunkVerifier(QueueWorker[_Check]):
         metrics: StoreMetrics,
         max_queue: int,
         fetch_timeout_s: float,
+        on_mismatch: Callable[[bytes], None] | None = None,
     ) -> None:
+        self._on_mismatch = on_mismatch
         self._store = store
         self._spec = spec
         self._quarantine = quarantine
@@ -295,6 +299,8 @@ class ChunkVerifier(QueueWorker[_Check]):
         # every tier of this store; a shared one (the cache server) deletes it for everyone
         # and counts it against its writer
         self._store.discard_bad([item.key])
+        if self._on_mismatch is not None:
+            self._on_mismatch(item.key)
         log.warning(
             "kvtier verifier: stored block %s does not match the recomputed KV (%s); deleted "
             "from every tier and quarantined for %.0f s (a block loaded before it can also "

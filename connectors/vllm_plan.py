@@ -59,6 +59,9 @@ class SaveSpec:
             written.
         release: The request has finished; vLLM keeps its blocks until the
             worker reports these gathered (``get_finished``).
+        verify: Stored objects vLLM computed in this step because sampled
+            verification stopped their load (``connectors/verify.py``): gathered
+            like saves, then compared with their stored blocks, not stored.
     """
 
     request_id: str
@@ -66,6 +69,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     after_failed_load: bool = False
     release: bool = False
+    verify: tuple[ObjectRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,22 @@ class WorkerReport:
         failed_loads: Request id -> first token that was not placed.
         stuck: Every load thread is held by a fetch past its deadline; new
             loads would queue behind a stuck tier, so the scheduler offers none.
+        bad_keys: Keys whose stored block sampled verification found wrong
+            (deleted from every tier by the worker): the scheduler side
+            quarantines them, so its lookups do not offer them again.
     """
 
     failed_loads: dict[str, int] = field(default_factory=dict)
     stuck: bool = False
+    bad_keys: tuple[bytes, ...] = ()
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        """Both reports: the earliest failure per request; stuck if either is."""
+        """Both reports: the earliest failure per request; stuck if either is; all bad keys."""
         failed = dict(self.failed_loads)
         for rid, token in other.failed_loads.items():
             failed[rid] = min(token, failed.get(rid, token))
-        return WorkerReport(failed, self.stuck or other.stuck)
+        bad = tuple(dict.fromkeys(self.bad_keys + other.bad_keys))
+        return WorkerReport(failed, self.stuck or other.stuck, bad)
 
 
 COUNTERS = (
@@ -113,6 +122,7 @@ COUNTERS = (
     "loaded_bytes",  # encoded bytes placed
     "saved_chunks",  # objects queued for saving
     "dropped_saves",  # objects not saved: after a failed load, or the save queue was full
+    "verify_chunks",  # objects computed instead of loaded and handed to the verifier
 )
 """Counters both sides keep and hand to vLLM's stats (``vllm_metrics.py``)."""
 

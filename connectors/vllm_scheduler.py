@@ -33,6 +33,14 @@ Rules that keep vLLM correct:
 Requests with LoRA adapters, multimodal inputs or prompt embeddings are not
 cached (their KV depends on more than the tokens): a miss, counted.
 ``cache_salt`` isolates requests as a tenant salt of the namespace.
+
+**Sampled verification** (``connectors/verify.py``, ``connector.verify_fraction``;
+on by default where a tier is shared): each loadable object is sampled;
+the offer stops before the first sampled one, so vLLM computes it and what
+follows, and the save plan hands those objects, once computed, to the worker
+(``SaveSpec.verify``), which compares them with their stored blocks. Keys
+the worker found wrong come back in its report and are quarantined here:
+lookups do not offer them again for a while.
 """
 
 from __future__ import annotations
@@ -42,11 +50,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import KvtierConfig
+from kvtier.config import KvtierConfig, effective_verify_fraction
 from kvtier.connectors.load_job import Fetcher
 from kvtier.connectors.lookup import AsyncLookups
 from kvtier.connectors.prefix import ObjectRef
 from kvtier.connectors.request_state import RequestState
+from kvtier.connectors.verify import Quarantine, Sampler, random_sampler
 from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvtier.keys import CacheNamespace
 from kvtier.metrics import StoreMetrics
@@ -94,6 +103,8 @@ class VllmScheduler:
         load_async: Offer hits as asynchronous loads.
         counters: Where to count (handed to vLLM's stats).
         metrics: kvtier's metrics.
+        verify_sampler: Decides which loadable objects are verified (by default
+            each with probability ``effective_verify_fraction(config)``).
     """
 
     def __init__(
@@ -105,6 +116,7 @@ class VllmScheduler:
         load_async: bool,
         counters: Counters,
         metrics: StoreMetrics,
+        verify_sampler: Sampler | None = None,
     ) -> None:
         self._config = config
         self._ns = namespace
@@ -116,12 +128,20 @@ class VllmScheduler:
         self._loads: list[LoadSpec] = []
         self._releases: list[SaveSpec] = []
         self._worker_stuck = False
+        fraction = effective_verify_fraction(config)
+        self._sample = verify_sampler
+        if self._sample is None and fraction > 0:
+            self._sample = random_sampler(fraction)
+            log.info("kvtier: sampled verification of %.3g of loaded chunks", fraction)
+        self.quarantine = Quarantine()
+        """Keys the worker's verification found wrong: never offered while they stay."""
         # NOTE: the scheduler process's own I/O threads: lookups only (loads are the worker's)
         self._fetcher = Fetcher(store, config.connector.load_workers)
         self._lookups = AsyncLookups(
             self._fetcher,
             timeout_s=config.connector.lookup_timeout_s,
             metrics=metrics,
+            quarantine=self.quarantine,
             on_count=self._lookup_counted,
         )
 
@@ -182,6 +202,8 @@ class VllmScheduler:
             self._metrics.lookup_tokens.labels("requested").inc(prompt)
             self._metrics.lookup_tokens.labels("hit").inc(state.prefix.num_tokens)
         end = min(state.prefix.num_tokens, prompt - 1)  # vLLM computes at least the last token
+        if self._sample is not None:  # a sampled object is computed by vLLM, then compared
+            end = state.plan_verification(num_computed_tokens, end, self._sample)
         n = end - num_computed_tokens
         if n < self._config.connector.min_load_tokens:
             return 0, False
@@ -277,13 +299,16 @@ class VllmScheduler:
             tail = state.tail_to_save(tokens, prompt, exact=True)
             if tail is not None:
                 objects.append(tail)
-        if objects:
+        objects = [o for o in objects if o.key not in self.quarantine]  # found wrong here
+        verify = state.verifiable(after) if self._sample is not None else []
+        if objects or verify:
             saves.append(
                 SaveSpec(
                     tracked.request.request_id,
                     tuple(objects),
                     tuple(tracked.block_ids),
                     after_failed_load=tracked.failed_load,
+                    verify=tuple(verify),
                 )
             )
 
@@ -298,6 +323,8 @@ class VllmScheduler:
         if report is None:
             return
         self._worker_stuck = report.stuck
+        for key in report.bad_keys:
+            self.quarantine.add(key)
         for rid, token in report.failed_loads.items():
             tracked = self._requests.get(rid)
             if tracked is None or tracked.state is None:

@@ -9,7 +9,9 @@ It does what the scheduler side planned (``StepPlan``) and reports back::
                     async: placed by get_finished, step after step, as groups arrive
     wait_for_save   each SaveSpec: gather the objects out of vLLM's cache (a copy: the
                     blocks may be reused once the step ends) ─► ChunkSaver thread
-                    (quantize, encode, store.put)
+                    (quantize, encode, store.put); its ``verify`` objects likewise
+                    ─► ChunkVerifier thread (fetch the stored block, compare; a wrong
+                    one is deleted from every tier and its key reported back)
     get_finished    async loads that ended ─► finished_recving; finished requests whose
                     last saves were gathered ─► finished_sending (vLLM frees their blocks)
     get_block_ids_with_load_errors
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ from kvtier.config import KvtierConfig
 from kvtier.connectors.load_job import Fetcher, LoadJob, Placed, PlaceFn
 from kvtier.connectors.prefix import ObjectRef
 from kvtier.connectors.saver import ChunkSaver
+from kvtier.connectors.verify import ChunkVerifier, Quarantine
 from kvtier.connectors.vllm_layout import PagedKV
 from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from kvtier.errors import CorruptBlockError
@@ -94,6 +98,10 @@ class VllmWorker:
             max_queue=cc.save_queue,
             metrics=metrics,
         )
+        self._store = store
+        self._verifier: ChunkVerifier | None = None  # started by the first object to verify
+        self._bad_keys: list[bytes] = []  # found wrong, not yet reported (verifier's thread)
+        self._bad_lock = threading.Lock()
         self._layout: PagedKV | None = None
         self._spec: BlockSpec | None = None
         self._jobs: dict[str, _Load] = {}  # asynchronous loads in flight
@@ -250,12 +258,45 @@ class VllmWorker:
             return
         for spec in plan.saves:
             if spec.request_id in self._failed and not spec.after_failed_load:
+                # computed on top of blocks a failed load never wrote: neither stored nor compared
                 self._counters.add("dropped_saves", len(spec.objects))
             else:
                 for obj in spec.objects:
                     self._save_object(spec, obj)
+                for obj in spec.verify:
+                    self._verify_object(spec, obj)
             if spec.release:
                 self._released.add(spec.request_id)
+
+    def _verify_object(self, spec: SaveSpec, obj: ObjectRef) -> None:
+        """Hands what vLLM computed for a stored object to the verifier (a copy)."""
+        assert self._layout is not None and self._spec is not None
+        if self._verifier is None:
+            self._verifier = ChunkVerifier(
+                self._store,
+                spec=self._spec,
+                quarantine=Quarantine(),
+                metrics=self._metrics,
+                max_queue=self._config.connector.save_queue,
+                fetch_timeout_s=self._config.connector.load_timeout_s,
+                on_mismatch=self._found_bad,
+            )
+        try:
+            chunk = self._layout.gather(spec.block_ids, obj.start, obj.num_tokens)
+        except KernelInputError as e:
+            log.warning("kvtier: cannot gather %s for verification: %s", spec.request_id, e)
+            return
+        if self._verifier.submit(obj.key, chunk.cpu()):
+            self._counters.add("verify_chunks")
+
+    def _found_bad(self, key: bytes) -> None:
+        with self._bad_lock:
+            self._bad_keys.append(key)
+
+    @property
+    def verifier(self) -> ChunkVerifier | None:
+        """The verifier (once an object was handed to it)."""
+        return self._verifier
 
     def _save_object(self, spec: SaveSpec, obj: ObjectRef) -> None:
         layout = self._layout
@@ -309,16 +350,22 @@ class VllmWorker:
     def report(self) -> WorkerReport | None:
         """Failed loads since the last report, and the load threads' state when it changed."""
         stuck = self._fetcher.saturated
-        if not self._new_failures and stuck == self._reported_stuck:
+        with self._bad_lock:
+            bad, self._bad_keys = tuple(self._bad_keys), []
+        if not self._new_failures and stuck == self._reported_stuck and not bad:
             return None
-        report = WorkerReport(self._new_failures, stuck)
+        report = WorkerReport(self._new_failures, stuck, bad)
         self._new_failures = {}
         self._reported_stuck = stuck
         return report
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Waits until every queued save has reached the store's tiers."""
-        return self._saver.flush(timeout)
+        """Waits until every queued save has reached the store's tiers and every check ran."""
+        deadline = time.monotonic() + timeout
+        saved = self._saver.flush(timeout)
+        if self._verifier is None:
+            return saved
+        return self._verifier.flush(max(0.0, deadline - time.monotonic())) and saved
 
     def close(self) -> None:
         """Abandons loads in flight, stores what is queued, stops the threads."""
@@ -326,4 +373,6 @@ class VllmWorker:
             load.job.abandon()
         self._jobs.clear()
         self._saver.close(timeout=30.0)
+        if self._verifier is not None:
+            self._verifier.close(timeout=30.0)
         self._fetcher.shutdown()

@@ -160,6 +160,10 @@ class StoreConfig(_Strict):
     flush_on_close: bool = True
 
 
+SHARED_VERIFY_FRACTION = 0.01
+"""``connector.verify_fraction`` when it is null and a tier is shared (docs/security.md)."""
+
+
 class ConnectorConfig(_Strict):
     """The engine side: what to look up, load and save."""
 
@@ -187,16 +191,19 @@ class ConnectorConfig(_Strict):
     save_queue: int = Field(
         64, ge=1, description="requests' chunks waiting to be saved before dropping"
     )
-    # NOTE: off by default: with tiers only this process writes, checksums and key
+    # NOTE: null (auto) by default: on where a tier is shared with other principals
+    # (effective_verify_fraction); with tiers only this user writes, checksums and key
     # binding already cover what can go wrong, and sampling costs prefill (docs/security.md).
-    verify_fraction: float = Field(
-        0.0,
+    verify_fraction: float | None = Field(
+        None,
         ge=0.0,
         le=1.0,
         allow_inf_nan=False,
         description="probability that a loaded chunk is recomputed and compared with its stored "
-        "block (a mismatch is counted, deleted and quarantined); 0.01 for tiers other "
-        "processes write. Costs about verify_fraction*(n+1)/2 of an n-chunk prefix's tokens",
+        "block (a mismatch is counted, deleted from every tier and quarantined); null: "
+        f"{SHARED_VERIFY_FRACTION} when a tier is shared (remote, aerospike, a disk directory "
+        "other users can write), else 0. Costs about verify_fraction*(n+1)/2 of an n-chunk "
+        "prefix's tokens",
     )
 
 
@@ -258,6 +265,30 @@ class KvtierConfig(_Strict):
         if dupes:
             raise ValueError(f"tier names must be unique; repeated: {dupes} (set `name:` on each)")
         return self
+
+
+def shared_tiers(config: KvtierConfig) -> list[str]:
+    """Tiers other principals can write: remote and Aerospike tiers, and disk tiers whose
+    directory other users can write (group/other write, or owned by another user)."""
+    from kvtier.tiers.disk_files import is_shared_dir
+
+    out = []
+    for t in config.tiers:
+        inner = t.tier if isinstance(t, LatencyTierConfig) else t
+        if isinstance(inner, AerospikeTierConfig | RemoteTierConfig) or (
+            isinstance(inner, DiskTierConfig) and is_shared_dir(inner.path.expanduser())
+        ):
+            out.append(t.name)
+    return out
+
+
+def effective_verify_fraction(config: KvtierConfig) -> float:
+    """``connector.verify_fraction``, or when null :data:`SHARED_VERIFY_FRACTION` if a tier is
+    shared (:func:`shared_tiers`) and 0 otherwise."""
+    f = config.connector.verify_fraction
+    if f is not None:
+        return f
+    return SHARED_VERIFY_FRACTION if shared_tiers(config) else 0.0
 
 
 def _format_error(e: ValidationError, source: str) -> str:

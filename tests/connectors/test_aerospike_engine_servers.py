@@ -132,7 +132,11 @@ def test_two_engine_servers_share_a_long_prefix_and_survive_a_node_kill(
     }
     config.write_text(
         yaml.safe_dump(
-            {"chunk_size": CHUNK, "tiers": [tier], "connector": {"min_load_tokens": CHUNK}}
+            {
+                "chunk_size": CHUNK,
+                "tiers": [tier],
+                "connector": {"min_load_tokens": CHUNK, "verify_fraction": 0},
+            }
         )
     )
     full_chunks = 8 * CHUNK

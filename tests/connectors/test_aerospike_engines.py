@@ -65,7 +65,7 @@ def test_two_engine_processes_share_prefixes_through_aerospike(tiny: Path, tmp_p
                     "chunk_size": CHUNK,
                     # Generous timeouts: a busy host must not turn saves into drops here.
                     "tiers": [_tier(target.address, **names, **aerospike_timeouts())],
-                    "connector": {"min_load_tokens": CHUNK},
+                    "connector": {"min_load_tokens": CHUNK, "verify_fraction": 0},
                 }
             ).model_dump_json()
         )
@@ -98,7 +98,11 @@ def test_engine_survives_a_stopped_server_and_recovers(tiny: Path) -> None:
             {
                 "chunk_size": CHUNK,
                 "tiers": [_tier(srv.address)],
-                "connector": {"min_load_tokens": CHUNK, "load_timeout_s": 1.0},
+                "connector": {
+                    "min_load_tokens": CHUNK,
+                    "load_timeout_s": 1.0,
+                    "verify_fraction": 0,
+                },
             }
         )
         conn = KvtierConnector(config=cfg)

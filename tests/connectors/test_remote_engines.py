@@ -35,7 +35,8 @@ def _config(tmp_path: Path, name: str, address: str, token: str | None) -> Path:
     data = {
         "chunk_size": CHUNK,
         "tiers": [{"type": "cpu", "capacity": "64MiB"}, remote],
-        "connector": {"min_load_tokens": CHUNK},
+        # exact load counts: no sampled verification (on by default with a remote tier)
+        "connector": {"min_load_tokens": CHUNK, "verify_fraction": 0},
     }
     KvtierConfig.model_validate(data)  # the file below is valid
     # NOTE: written by hand, not model_dump_json(): that masks the token (a SecretStr).

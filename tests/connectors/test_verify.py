@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from kvtier.block import BlockSpec, Encoding, decode_block, encode_block
-from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, load_config
+from kvtier.config import (
+    CpuTierConfig,
+    DiskTierConfig,
+    KvtierConfig,
+    effective_verify_fraction,
+    load_config,
+)
 from kvtier.connectors.kvtier_connector import KvtierConnector
 from kvtier.connectors.prefix import ObjectRef, StoredPrefix
 from kvtier.connectors.request_state import RequestState
@@ -116,7 +122,9 @@ def test_random_sampler_draws_its_fraction() -> None:
 def test_verify_fraction_is_validated(value: str) -> None:
     with pytest.raises(ConfigError, match=r"connector\.verify_fraction"):
         load_config(env={"KVTIER_CONNECTOR__VERIFY_FRACTION": value})
-    assert load_config(env={}).connector.verify_fraction == 0.0
+    default = load_config(env={})
+    assert default.connector.verify_fraction is None  # auto: on where a tier is shared
+    assert effective_verify_fraction(KvtierConfig(tiers=[CpuTierConfig()])) == 0.0
 
 
 def test_plan_stops_the_load_at_the_first_sampled_object() -> None:

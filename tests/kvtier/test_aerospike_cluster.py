@@ -138,7 +138,7 @@ def engine(tiny: Path, tier: dict[str, Any], acks: Acks) -> tuple[KvtierConnecto
         {
             "chunk_size": CHUNK,
             "tiers": [tier],
-            "connector": {"min_load_tokens": CHUNK, "load_timeout_s": 5.0},
+            "connector": {"min_load_tokens": CHUNK, "load_timeout_s": 5.0, "verify_fraction": 0},
         }
     )
     conn = KvtierConnector(config=cfg)

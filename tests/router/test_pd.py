@@ -96,7 +96,7 @@ def test_the_decode_engine_loads_the_prefill_engines_kv_and_answers_as_one_engin
         data = {
             "chunk_size": CHUNK,
             "tiers": [{"type": "remote", "address": cache.address}],
-            "connector": {"min_load_tokens": 16},
+            "connector": {"min_load_tokens": 16, "verify_fraction": 0},
         }
         config.write_text(yaml.safe_dump(data))
         with (
