@@ -47,6 +47,8 @@ NON_CONFIG_ENV = frozenset(
         "KVTIER_MALLOC_RETAIN",  # the command line's allocator tuning (kvtier/allocator.py)
         "KVTIER_API_KEY",  # kvtier engine serve --api-key
         "KVTIER_SERVER_TOKEN",  # kvtier stats --token
+        "KVTIER_ROUTER_API_KEY",  # kvtier router --api-key
+        "KVTIER_ENGINE_API_KEY",  # kvtier router --engine-api-key
     }
 )
 """``KVTIER_`` variables that are not configuration overrides."""

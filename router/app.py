@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvtier.engine.server.auth import RequireApiKey
 from kvtier.engine.server.runner import bind_listener
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.router.config import RouterConfig
@@ -107,6 +108,9 @@ def create_router_app(
         title="kvtier router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.router = state
+    if config.api_key is not None:
+        # the engine server's check: constant-time, /health and /metrics open, 401 otherwise
+        app.add_middleware(RequireApiKey, api_key=config.api_key)
 
     def proxy() -> Proxy:
         assert state.proxy is not None, "the router is not started"

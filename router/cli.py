@@ -40,6 +40,9 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--no-kv-events", is_flag=True, help="Do not follow the engines' /kv_events.")
 @click.option("--engine-api-key", envvar="KVTIER_ENGINE_API_KEY", show_envvar=True, default=None,
               help="Bearer token sent to the engines (default: the client's, passed on).")  # fmt: skip
+@click.option("--api-key", envvar="KVTIER_ROUTER_API_KEY", show_envvar=True, default=None,
+              help="Callers must send 'Authorization: Bearer KEY' (all but /health, /metrics); "
+              "without it the router forwards anyone's requests with the engines' key.")  # fmt: skip
 @click.option("--log-level", default="warning", show_default=True, help="uvicorn's log level.")
 def router(**kw: Any) -> None:
     """An OpenAI-compatible router in front of kvtier engines (or vLLM).
@@ -74,6 +77,7 @@ def router(**kw: Any) -> None:
             max_imbalance=kw["max_imbalance"],
             kv_events=not kw["no_kv_events"],
             engine_api_key=kw["engine_api_key"],
+            api_key=_api_key(kw["api_key"]),
         )
     except RouterConfigError as e:
         raise click.UsageError(str(e)) from None
@@ -82,6 +86,12 @@ def router(**kw: Any) -> None:
     except EngineError as e:
         raise click.ClickException(f"cannot load the tokenizer of {model!r}: {e}") from None
     app = create_router_app(config, tokenizer)
+    if config.api_key is None and config.engine_api_key is not None:
+        click.echo(
+            "warning: --engine-api-key without --api-key: anyone who reaches the router uses "
+            "the engines with their key",
+            err=True,
+        )
     mode = "P/D" if config.disaggregated else config.policy
     click.echo(
         f"routing ({mode}) to {len(specs)} engines on http://{kw['host']}:{kw['port']} "
@@ -92,3 +102,14 @@ def router(**kw: Any) -> None:
         serve_router(app, kw["host"], kw["port"], kw["log_level"])
     except OSError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _api_key(value: str | None) -> str | None:
+    from kvtier.engine.server.auth import check_api_key
+
+    if value is None:
+        return None
+    try:
+        return check_api_key(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--api-key / $KVTIER_ROUTER_API_KEY") from None

@@ -61,6 +61,9 @@ class RouterConfig:
         max_saved_keys: Shared-tier keys remembered (oldest forgotten).
         engine_api_key: Sent to the engines as a bearer token (else the
             client's ``Authorization`` header is passed on).
+        api_key: What the router's own callers must send (``Authorization:
+            Bearer <key>``) on every path but ``/health`` and ``/metrics``;
+            None: no key (then bind it where only trusted clients reach it).
     """
 
     engines: tuple[EngineSpec, ...]
@@ -78,6 +81,7 @@ class RouterConfig:
     max_imbalance: int = 4
     max_saved_keys: int = 1_000_000
     engine_api_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.engines:

@@ -243,3 +243,26 @@ def test_engine_keys_the_router_sends_or_passes_on(tokenizer: Tokenizer) -> None
         ok = httpx.post(url, json=chat_body("key"), headers={"Authorization": "Bearer client-key"},
                         timeout=TIMEOUT, trust_env=False)  # fmt: skip
         assert ok.status_code == 200
+
+
+def test_with_an_api_key_the_router_refuses_callers_without_it() -> None:
+    a = FakeEngine("a")
+    a.api_key = "engine-key-456"  # the engine takes only its own key, which callers never see
+    with routed([a], api_key="router-key-123", engine_api_key="engine-key-456") as r:
+        url = r.url + "/v1/chat/completions"
+        refused = [
+            httpx.post(url, json=chat_body("hi"), headers=h, timeout=TIMEOUT, trust_env=False)
+            for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"})
+        ]
+        assert [x.status_code for x in refused] == [401, 401, 401]
+        assert a.served() == 0  # nothing reached the engine
+        ok = httpx.post(
+            url,
+            json=chat_body("hi"),
+            headers={"Authorization": "Bearer router-key-123"},
+            timeout=TIMEOUT,
+            trust_env=False,
+        )
+        assert ok.status_code == 200 and a.served() == 1
+        for path in ("/health", "/metrics"):  # probes and scrapes stay open, as the engine's
+            assert httpx.get(r.url + path, timeout=TIMEOUT, trust_env=False).status_code == 200
