@@ -18,8 +18,9 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 WORKDIR /opt/kvtier/src
 COPY . .
-# engine: model loading, tokenizer, HTTP server; aerospike: the fleet-wide tier.
-RUN pip install ".[engine,aerospike]"
+# engine: model loading, tokenizer, HTTP server; aerospike: the fleet-wide tier;
+# server: gRPC, for kvtier serve and for the engine's remote tier (the cache server).
+RUN pip install ".[engine,aerospike,server]"
 
 RUN useradd --system --create-home --home-dir /home/kvtier kvtier \
     && mkdir -p "$KVTIER_MODEL_DIR" /var/cache/kvtier /etc/kvtier \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -121,7 +122,7 @@ def test_every_published_port_listens_on_loopback_only() -> None:
             )
             published += 1
         assert service.get("network_mode") != "host", f"{name}: host networking skips the ports"
-    assert published >= 7
+    assert published >= 7  # the opt-in Aerospike port included
 
 
 def test_the_checks_catch_what_they_look_for() -> None:
@@ -165,6 +166,53 @@ def test_grafana_has_no_default_password_and_no_anonymous_admin() -> None:
     for path, value in _walk(_compose()):
         assert "admin/admin" not in str(value), path
     assert "admin/admin" not in COMPOSE.read_text()
+
+
+def test_aerospike_is_reached_only_by_the_cache_server() -> None:
+    compose = _compose()
+    services = compose["services"]
+    aerospike = services["aerospike"]
+    assert "ports" not in aerospike, "Aerospike CE has no authentication: never published"
+    assert aerospike["networks"] == ["kv-store"]
+    assert compose["networks"]["kv-store"]["internal"] is True
+    on_store = {n for n, s in services.items() if "kv-store" in s.get("networks", [])}
+    assert on_store == {"aerospike", "kvtier-cache", "aerospike-host-port"}
+    # publishing it is opt-in (a profile), on loopback
+    assert services["aerospike-host-port"]["profiles"] == ["aerospike-host"]
+    for name, service in services.items():  # no service joins the default network by omission
+        assert service.get("networks"), f"{name}: name its networks"
+
+
+def _deploy_config(name: str) -> Any:
+    from kvtier.config import KvtierConfig
+
+    return KvtierConfig.model_validate(yaml.safe_load((DEPLOY / "kvtier" / name).read_text()))
+
+
+def test_the_engine_reaches_shared_kv_only_through_the_authenticated_cache_server() -> None:
+    engine = _compose()["services"]["kvtier"]
+    assert "./deploy/kvtier/kvtier-engine.yaml:/etc/kvtier/kvtier.yaml:ro" in engine["volumes"]
+    assert engine["networks"] == ["front"]
+    config = _deploy_config("kvtier-engine.yaml")
+    shared = [t for t in config.tiers if t.type not in ("cpu", "disk")]
+    assert [(t.type, t.address, t.token_env) for t in shared] == [  # type: ignore[union-attr]
+        ("remote", "kvtier-cache:50051", "CACHE_ENGINE_TOKEN")
+    ]
+    assert _REF.fullmatch(engine["environment"]["CACHE_ENGINE_TOKEN"])
+
+
+def test_the_image_has_what_the_cache_server_and_the_remote_tier_import() -> None:
+    installs = re.findall(r'pip install "\.\[([^\]]*)\]"', (REPO / "Dockerfile").read_text())
+    assert installs and {"engine", "aerospike", "server"} <= set(installs[-1].split(","))
+
+
+@pytest.mark.parametrize(
+    "name", ["kvtier-engine.yaml", "kvtier-server.yaml", "kvtier-aerospike.yaml"]
+)
+def test_every_shipped_config_verifies_a_sample_of_loads(name: str) -> None:
+    path = DEPLOY / "kvtier" / name
+    data = yaml.safe_load(path.read_text())
+    assert 0 < data["connector"]["verify_fraction"] <= 0.05
 
 
 def test_the_engine_needs_an_api_key() -> None:
@@ -221,9 +269,20 @@ def test_compose_stops_naming_a_missing_variable(dotenv: dict[str, str]) -> None
 
 
 def _cache_server_env(dotenv: dict[str, str], tmp: Path) -> dict[str, str]:
-    """The kvtier-cache container's environment, with its disk tier moved under ``tmp``."""
+    """The kvtier-cache container's environment, its secret file under ``tmp`` and its
+    Aerospike tier pointed at a port nobody listens on (no cluster here: the tier is a
+    miss, counted, and the CPU tier serves)."""
     env = _interpolate(_compose()["services"]["kvtier-cache"]["environment"], dotenv)
-    return {**env, "KVTIER_TIERS__1__PATH": str(tmp / "blocks")}
+    secret = tmp / "cache_provenance_key"
+    secret.write_text(dotenv["CACHE_PROVENANCE_KEY"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+    return {
+        **env,
+        "KVTIER_SERVER__PROVENANCE_KEY_FILE": str(secret),
+        "KVTIER_TIERS__1__HOSTS": f'["127.0.0.1:{nobody}"]',
+    }
 
 
 def test_the_cache_server_config_needs_the_token_hashes(tmp_path: Path) -> None:
@@ -249,9 +308,13 @@ def test_the_cache_server_as_compose_runs_it(dotenv: dict[str, str], tmp_path: P
     assert not server_config.is_open  # on loopback too: no anonymous admin anywhere
     assert {t.name: t.role for t in server_config.tenants} == {
         "ops": "admin",
-        "engines": "writer",
+        "engine-1": "writer",
         "monitor": "reader",
     }
+    assert [(n.name, n.trusted_writers) for n in server_config.namespaces] == [
+        ("fleet", ["engine-1"])
+    ]
+    assert [t.type for t in store_config.tiers] == ["cpu", "aerospike"]
     server = CacheServer(server_config, store_config).start()
     try:
         metrics = f"http://127.0.0.1:{server.http_port}/metrics"
@@ -277,7 +340,13 @@ def test_the_cache_server_as_compose_runs_it(dotenv: dict[str, str], tmp_path: P
         try:
             engine.put([(key(1), block(1))])
             assert engine.prefix_length([key(1)]) == 1
+            assert engine.get([key(1)]) == [block(1)]
         finally:
             engine.close()
+        monitor = tier(dotenv["CACHE_MONITOR_TOKEN"])
+        try:  # the monitor token sees figures, not the fleet's blocks
+            assert monitor.get([key(1)]) == [None]
+        finally:
+            monitor.close()
     finally:
         server.stop(grace=2.0)
