@@ -204,6 +204,7 @@ def run_engine_core(config: EngineConfig, cmds: Connection, events: Connection) 
             pid=os.getpid(),
             kv_namespace=recorder.namespace if recorder is not None else None,
             block_size=engine.block_manager.block_size,
+            capacity=engine.capacity,
         ),
     )
     core = _Core(engine, registry, cmds, events, recorder)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.engine.kv_cache import KVCapacity
 from kvtier.engine.kv_events import KvEvent
 from kvtier.engine.models.config import ModelConfig
 from kvtier.engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
@@ -85,6 +86,7 @@ class Ready:
     pid: int
     kv_namespace: CacheNamespace | None = None  # the keys of its KV events (None: no events)
     block_size: int = 16
+    capacity: KVCapacity | None = None
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,12 @@
   CPUs: flash attention over the paged cache with dot-product instructions,
   2.5-3.5x torch's CPU flash kernel on the prefill shapes of SmolLM2
   (docs/engine.md, "Serving" has the measurements).
+* ``paged_prefill_f32.c`` — the same in float32, in portable vector C, for
+  hosts without native bf16 (where the engine runs in float32).
 * ``fused_ops.c`` — a decoder layer's element-wise ops (residual add +
-  RMSNorm, SiLU-and-multiply, RoPE) in bfloat16, one call each instead of
-  ~25 torch ops per layer: a decode step of a small model is mostly op
-  dispatch once its matmuls are fast.
+  RMSNorm, SiLU-and-multiply, RoPE) in bfloat16 and float32, one call each
+  instead of ~25 torch ops per layer: a decode step of a small model is
+  mostly op dispatch once its matmuls are fast.
 
 The sources are compiled with the system C compiler (``$CC`` or ``cc``,
 ``-O3 -march=native -fopenmp``) into ``$KVTIER_KERNEL_DIR`` (default
@@ -51,7 +53,7 @@ MODE_ENV = "KVTIER_CPU_ATTENTION"
 DIR_ENV = "KVTIER_KERNEL_DIR"
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_SOURCES = ("paged_decode.c", "paged_prefill.c", "fused_ops.c")
+_SOURCES = ("paged_decode.c", "paged_prefill.c", "paged_prefill_f32.c", "fused_ops.c")
 _ERRORS = {
     1: "unsupported dtype",
     2: "unsupported shape (heads, head_dim or group size)",
@@ -66,13 +68,17 @@ class KernelError(RuntimeError):
 
 @dataclass(frozen=True)
 class CpuKernels:
-    """The loaded library: attention over the paged cache, and fused bf16 layer ops.
+    """The loaded library: attention over the paged cache, and fused layer ops.
+
+    The fused ops and the prefill kernel come in a bfloat16 and a float32
+    flavour (``fused_dtypes``); each call picks the one of its tensors' dtype.
 
     Attributes:
         path: The shared object.
         specialised: True when the decode kernel was built with the AVX-512
             items specialised on head_dim 64/128 and group sizes 1-8.
-        has_prefill: True when the prefill kernel was built (AVX512-BF16).
+        has_prefill: True when the bf16 prefill kernel was built (AVX512-BF16);
+            the float32 one is always built.
     """
 
     path: Path
@@ -80,11 +86,17 @@ class CpuKernels:
     has_prefill: bool
     _decode: Callable[..., int]
     _prefill: Callable[..., int]
-    _add_rmsnorm: Callable[..., None]
-    _silu_mul: Callable[..., None]
-    _rope: Callable[..., None]
+    _prefill_f32: Callable[..., int]
+    _add_rmsnorm: dict[torch.dtype, Callable[..., None]]
+    _silu_mul: dict[torch.dtype, Callable[..., None]]
+    _rope: dict[torch.dtype, Callable[..., None]]
 
-    # ---- fused layer ops (bfloat16, contiguous rows) ----------------------------------
+    @property
+    def fused_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtypes the fused layer ops compute."""
+        return tuple(self._add_rmsnorm)
+
+    # ---- fused layer ops (bfloat16 or float32, contiguous rows) -------------------------
 
     def add_rmsnorm(
         self,
@@ -96,14 +108,14 @@ class CpuKernels:
         """``h += delta`` in place (when given), then RMSNorm of ``h`` scaled by ``weight``.
 
         Args:
-            h: ``[T, dim]`` bfloat16, contiguous (the residual stream).
-            delta: ``[T, dim]`` bfloat16, contiguous, or None.
-            weight: ``[dim]`` bfloat16.
+            h: ``[T, dim]`` bfloat16 or float32, contiguous (the residual stream).
+            delta: ``[T, dim]`` of the same dtype, contiguous, or None.
+            weight: ``[dim]`` of the same dtype.
             eps: Epsilon.
         """
         rows, dim = h.shape
         out = torch.empty_like(h)
-        self._add_rmsnorm(
+        self._add_rmsnorm[h.dtype](
             h.data_ptr(),
             None if delta is None else delta.data_ptr(),
             weight.data_ptr(),
@@ -115,10 +127,10 @@ class CpuKernels:
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate first) -> ``[T, I]`` bfloat16."""
+        """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate first) -> ``[T, I]``."""
         rows, two_i = gate_up.shape
         out = torch.empty((rows, two_i // 2), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_i // 2)
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, two_i // 2)
         return out
 
     def rope(
@@ -132,25 +144,25 @@ class CpuKernels:
         """Rotates the first ``heads`` heads of ``x`` ``[T, H, d]`` in place ("rotate half").
 
         Args:
-            x: bfloat16 with contiguous heads (a row stride of its own).
+            x: bfloat16 or float32 with contiguous heads (a row stride of its own).
             heads: Leading heads to rotate (the query and key heads).
-            cos, sin: ``[max_positions, d // 2]`` bfloat16 tables, contiguous.
+            cos, sin: ``[max_positions, d // 2]`` tables of ``x``'s dtype, contiguous.
             positions: ``[T]`` int64.
         """
         rows, _, d = x.shape
-        self._rope(
+        self._rope[x.dtype](
             x.data_ptr(), x.stride(0), rows, heads, d, cos.data_ptr(), sin.data_ptr(),
             positions.data_ptr(),
         )  # fmt: skip
 
     def supports_prefill(self, kv_cache: torch.Tensor) -> bool:
-        """True when prefill spans of this cache can use the prefill kernel."""
-        return (
-            self.has_prefill
-            and self.supports(kv_cache)
-            and kv_cache.dtype == torch.bfloat16
-            and kv_cache.shape[-1] in (64, 128)
-        )
+        """True when prefill spans of this cache can use a prefill kernel."""
+        if not self.supports(kv_cache):
+            return False
+        d = kv_cache.shape[-1]
+        if kv_cache.dtype == torch.float32:
+            return d % 16 == 0
+        return self.has_prefill and kv_cache.dtype == torch.bfloat16 and d in (64, 128)
 
     def supports(self, kv_cache: torch.Tensor) -> bool:
         """True for a contiguous CPU cache of a dtype and head size the kernel handles."""
@@ -217,7 +229,7 @@ class CpuKernels:
         prefix_len: int,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of one prefill span after ``prefix_len`` cached tokens (bfloat16).
+        """Causal attention of one prefill span after ``prefix_len`` cached tokens.
 
         Args:
             q: ``[q_len, hq, d]``, last two dims contiguous; query ``i`` sits at
@@ -229,16 +241,19 @@ class CpuKernels:
             scale: Softmax scale.
 
         Returns:
-            ``[q_len, hq, d]`` bfloat16.
+            ``[q_len, hq, d]`` in ``q``'s dtype (bfloat16 or float32, the cache's).
         """
         n, hq, d = q.shape
         _, bs, hk, _ = k_cache.shape
-        if q.stride(2) != 1 or q.stride(1) != d or q.dtype != torch.bfloat16:
-            raise KernelError(f"q must be bf16 [T, hq, d] with contiguous heads, got {q.stride()}")
+        if q.stride(2) != 1 or q.stride(1) != d or q.dtype != k_cache.dtype:
+            raise KernelError(f"q must be [T, hq, d] with contiguous heads, got {q.stride()}")
+        if q.dtype not in (torch.bfloat16, torch.float32):
+            raise KernelError(f"no prefill kernel for {q.dtype}")
         if block_ids.numel() * bs < prefix_len + n:
             raise KernelError("the block table is shorter than the span")
         out = torch.empty((n, hq, d), dtype=q.dtype)
-        rc = self._prefill(
+        kernel = self._prefill if q.dtype == torch.bfloat16 else self._prefill_f32
+        rc = kernel(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -314,15 +329,16 @@ def _load(path: Path) -> CpuKernels:
     lib = ctypes.CDLL(str(path))
     if lib.kvt_abi_version() != 1:
         raise OSError(f"{path}: unexpected ABI version")
-    prefill = lib.kvt_paged_prefill
-    prefill.restype = ctypes.c_int
-    prefill.argtypes = [
-        ctypes.c_void_p,  # q
-        ctypes.c_int64,  # q row stride
-        *([ctypes.c_void_p] * 4),  # k cache, v cache, out, block ids
-        *([ctypes.c_int64] * 6),  # prefix_len, q_len, hq, hk, d, bs
-        ctypes.c_float,  # scale
-    ]
+    prefill, prefill_f32 = lib.kvt_paged_prefill, lib.kvt_paged_prefill_f32
+    for f in (prefill, prefill_f32):
+        f.restype = ctypes.c_int
+        f.argtypes = [
+            ctypes.c_void_p,  # q
+            ctypes.c_int64,  # q row stride
+            *([ctypes.c_void_p] * 4),  # k cache, v cache, out, block ids
+            *([ctypes.c_int64] * 6),  # prefix_len, q_len, hq, hk, d, bs
+            ctypes.c_float,  # scale
+        ]
     fn = lib.kvt_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [
@@ -337,29 +353,28 @@ def _load(path: Path) -> CpuKernels:
         *([ctypes.c_int64] * 6),
         ctypes.c_float,
     ]
-    add_rmsnorm = lib.kvt_add_rmsnorm
-    add_rmsnorm.restype = None
-    add_rmsnorm.argtypes = [
-        *([ctypes.c_void_p] * 4),
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_float,
-    ]
-    silu_mul = lib.kvt_silu_mul
-    silu_mul.restype = None
-    silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    rope = lib.kvt_rope
-    rope.restype = None
-    rope.argtypes = [ctypes.c_void_p, *([ctypes.c_int64] * 4), *([ctypes.c_void_p] * 3)]
+    fused: dict[str, dict[torch.dtype, Callable[..., None]]] = {}
+    for name, argtypes in (
+        ("add_rmsnorm", [*([ctypes.c_void_p] * 4), ctypes.c_int64, ctypes.c_int64, ctypes.c_float]),
+        ("silu_mul", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
+        ("rope", [ctypes.c_void_p, *([ctypes.c_int64] * 4), *([ctypes.c_void_p] * 3)]),
+    ):
+        fused[name] = {}
+        for dtype, suffix in ((torch.bfloat16, ""), (torch.float32, "_f32")):
+            f = getattr(lib, f"kvt_{name}{suffix}")
+            f.restype = None
+            f.argtypes = argtypes
+            fused[name][dtype] = f
     return CpuKernels(
         path,
         bool(lib.kvt_has_avx512_items()),
         bool(lib.kvt_has_prefill()),
         fn,
         prefill,
-        add_rmsnorm,
-        silu_mul,
-        rope,
+        prefill_f32,
+        fused["add_rmsnorm"],
+        fused["silu_mul"],
+        fused["rope"],
     )
 
 

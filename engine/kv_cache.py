@@ -53,6 +53,37 @@ class KVCacheLayout:
         )
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the KV cache holds, as an engine reports it at start-up (vLLM prints the same).
+
+    Attributes:
+        tokens: Token slots of the cache (blocks x block size).
+        nbytes: Its size in bytes.
+        dtype: KV dtype name.
+        max_model_len: Longest sequence a request may reach.
+        max_num_seqs: Most requests the scheduler runs at once.
+    """
+
+    tokens: int
+    nbytes: int
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of ``max_model_len`` tokens the cache holds at once."""
+        return self.tokens / self.max_model_len
+
+    def __str__(self) -> str:
+        return (
+            f"KV cache: {self.tokens:,} tokens ({self.dtype}, {self.nbytes / 2**30:.2f} GiB); "
+            f"maximum concurrency for {self.max_model_len:,} tokens per request: "
+            f"{self.max_concurrency:.2f}x (at most {self.max_num_seqs} running)"
+        )
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers (K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()

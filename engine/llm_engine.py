@@ -26,7 +26,12 @@ from kvtier.engine.cpu_kernels import cpu_kernels
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.device import dtype_name, resolve_device, resolve_dtype
 from kvtier.engine.errors import EngineConfigError, EngineError, InvalidRequestError
-from kvtier.engine.kv_cache import KVCacheLayout, allocate_kv_cache, num_blocks_for_budget
+from kvtier.engine.kv_cache import (
+    KVCacheLayout,
+    KVCapacity,
+    allocate_kv_cache,
+    num_blocks_for_budget,
+)
 from kvtier.engine.metrics import EngineMetrics
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.models.config import ModelConfig
@@ -40,6 +45,7 @@ from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampler import SampleResult
 from kvtier.engine.sampling_params import SamplingParams
 from kvtier.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvtier.engine.step_trace import StepTrace
 from kvtier.engine.threads import ThreadPolicy
 from kvtier.engine.tokenizer import Tokenizer
 
@@ -146,6 +152,7 @@ class LLMEngine:
         self.runner = ModelRunner(self._model, backend, config.block_size, self.device)
         self._num_requests = 0
         self._stats = EngineStats(kv_blocks_total=num_blocks)
+        self._trace = StepTrace.from_env()
         self.threads.tick(min_window_s=STARTUP_THREADS_WINDOW_S)  # decided over the start-up
 
     def _resolve_max_model_len(self, cfg: ModelConfig, kv_capacity: int) -> int:
@@ -190,6 +197,17 @@ class LLMEngine:
     def max_model_len(self) -> int:
         """Longest sequence (prompt + generated) the engine accepts."""
         return self._max_model_len
+
+    @property
+    def capacity(self) -> KVCapacity:
+        """What the KV cache holds, in tokens and concurrent requests."""
+        return KVCapacity(
+            tokens=self.layout.num_blocks * self.layout.block_size,
+            nbytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+            dtype=self.layout.dtype,
+            max_model_len=self._max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+        )
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -307,6 +325,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         sampled = self.runner.execute(sched.chunks)
         t3 = time.perf_counter()
+        if self._trace is not None:
+            self._trace.record(t2, t3 - t2, sched.chunks)
         self.scheduler.update_after_step(sched)
         self._count_prompt_tokens(sched)
         if self._saves_wanted:
@@ -571,4 +591,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Shuts the connector down (the engine is unusable afterwards)."""
+        if self._trace is not None:
+            self._trace.close()
         self.connector.shutdown()

@@ -58,6 +58,7 @@ from kvtier.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from kvtier.engine.kv_cache import KVCapacity
 from kvtier.engine.kv_events import KvEventLog
 from kvtier.engine.models.config import ModelConfig
 from kvtier.engine.models.loader import load_tokenizer
@@ -296,6 +297,11 @@ class ProcessEngine:
     def max_model_len(self) -> int:
         """Longest sequence the engine accepts."""
         return self._info().max_model_len
+
+    @property
+    def capacity(self) -> KVCapacity | None:
+        """What the engine's KV cache holds (None from an engine that did not say)."""
+        return self._info().capacity
 
     @property
     def num_threads(self) -> int:

@@ -97,3 +97,60 @@ void kvt_rope(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads, int6
         }
     }
 }
+
+/*
+ * The same three ops in float32 (hosts without native bf16 run the model in
+ * float32). No rounding steps: the torch path's float32 ops round only at
+ * the end of each op, and so do these; sums are ordered differently, so
+ * results agree with it to a few float32 ulps.
+ */
+void kvt_add_rmsnorm_f32(float *h, const float *delta, const float *w, float *out, int64_t rows,
+                         int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * dim;
+        float sumsq = 0.0f;
+        if (delta != NULL) {
+            const float *dr = delta + r * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                const float v = hr[i] + dr[i];
+                hr[i] = v;
+                sumsq += v * v;
+            }
+        } else {
+            for (int64_t i = 0; i < dim; i++) sumsq += hr[i] * hr[i];
+        }
+        const float scale = 1.0f / sqrtf(sumsq / (float)dim + eps);
+        float *orow = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) orow[i] = w[i] * (hr[i] * scale);
+    }
+}
+
+void kvt_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * inter, *up = gate + inter;
+        float *orow = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = gate[i];
+            orow[i] = g / (1.0f + expf(-g)) * up[i];
+        }
+    }
+}
+
+void kvt_rope_f32(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
+                  const float *cos_table, const float *sin_table, const int64_t *positions) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_table + positions[r] * half, *s = sin_table + positions[r] * half;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *x1 = x + r * row_stride + hd * dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}

@@ -1,4 +1,4 @@
-"""The decoder's forward pass with fused bfloat16 element-wise ops (CPU kernels).
+"""The decoder's forward pass with fused element-wise ops (CPU kernels, bfloat16 or float32).
 
 The same computation as ``DecoderModel.forward``, with each layer's
 residual add + RMSNorm, RoPE and SiLU-and-multiply done by one kernel call
@@ -10,9 +10,9 @@ each (``csrc/fused_ops.c``) instead of ~25 torch ops: per layer::
     x = add_rmsnorm(h, delta, post_norm)      # h += attention output
     delta = down_proj(silu_mul(gate_up_proj(x)))
 
-and a final ``add_rmsnorm(h, delta, norm)``. Used for bfloat16 on the CPU
-when the kernels are built, for models without QK-norm (Qwen3 keeps the
-plain path).
+and a final ``add_rmsnorm(h, delta, norm)``. Used on the CPU (bfloat16 or
+float32) when the kernels are built, for models without QK-norm (Qwen3
+keeps the plain path).
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ if TYPE_CHECKING:
 
 
 def fused_supported(model: DecoderModel, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``fused_forward`` computes this model: CPU, bfloat16, no QK-norm."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and not model.config.qk_norm
+    """Whether ``fused_forward`` computes this model: CPU, bfloat16 or float32, no QK-norm."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and not model.config.qk_norm
+    )
 
 
 def fused_forward(

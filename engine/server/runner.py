@@ -172,6 +172,9 @@ def serve_forever(config: EngineConfig, options: ServeOptions, *, quiet: bool = 
             state: ServerState = app.state.kvtier
             host, port = sock.getsockname()[:2]
             if not quiet:
+                capacity = getattr(engine, "capacity", None)
+                if capacity is not None:
+                    click.echo(f"{capacity}; dtype {capacity.dtype}", err=True)
                 key = "API key required" if options.api_key is not None else "no API key"
                 click.echo(
                     f"serving {state.served_model_name!r} on http://{host}:{port} "

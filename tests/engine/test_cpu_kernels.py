@@ -177,6 +177,39 @@ def test_prefill_kernel_matches_exact_attention(kernel, hq, hk, d, bs, prefix, n
     assert (got - want).abs().mean() < 2e-3
 
 
+@pytest.mark.parametrize(
+    ("hq", "hk", "d", "bs", "prefix", "n"),
+    [
+        (9, 3, 64, 16, 0, 300),  # SmolLM2, cold, several query and key tiles
+        (9, 3, 64, 16, 1008, 97),  # after a cached prefix, tiles off the block grid
+        (9, 3, 64, 4, 5, 1),  # one token
+        (32, 8, 128, 16, 70, 130),  # Llama-3-like
+        (8, 8, 64, 32, 0, 65),  # MHA
+        (16, 1, 64, 16, 33, 40),  # g = 16
+        (12, 4, 48, 16, 20, 70),  # head_dim 48: output vectors that are not a multiple of 64
+    ],
+)
+def test_float32_prefill_kernel_matches_exact_attention(kernel, hq, hk, d, bs, prefix, n) -> None:
+    g = torch.Generator().manual_seed(prefix + n + 1)
+    blocks_needed = -(-(prefix + n) // bs)
+    kc = torch.randn(blocks_needed + 9, bs, hk, d, generator=g)
+    vc = torch.randn(blocks_needed + 9, bs, hk, d, generator=g)
+    blocks = torch.randperm(blocks_needed + 9, generator=g)[:blocks_needed]
+    q = torch.randn(n, hq + 2, d, generator=g)[:, :hq]
+    got = kernel.prefill(q, kc, vc, blocks, prefix, d**-0.5)
+    assert got.dtype == torch.float32
+    want = _prefill_reference(q, kc, vc, blocks, prefix, d**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_float32_prefill_kernel_refuses_odd_head_sizes(kernel) -> None:
+    kc = torch.zeros(4, 16, 3, 40)
+    assert not kernel.supports_prefill(kc)
+    assert kernel.supports_prefill(torch.zeros(4, 16, 3, 64))
+    with pytest.raises(KernelError, match="unsupported shape"):
+        kernel.prefill(torch.zeros(3, 9, 40), kc, kc, torch.tensor([0]), 0, 0.1)
+
+
 def test_prefill_kernel_rejects_a_short_block_table(kernel) -> None:
     if not kernel.has_prefill:
         pytest.skip("no AVX512-BF16 on this CPU: prefill uses torch")
@@ -287,3 +320,53 @@ def test_fused_engine_agrees_with_the_unfused_forward(
     ref = exact.score(tokens, use_prefix_cache=False).logits
     assert (a - ref).abs().mean() < 1.25 * (b - ref).abs().mean()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_float32_fused_ops_match_the_torch_layers(kernel) -> None:
+    from kvtier.engine.models.llama import RMSNorm
+    from kvtier.engine.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    for rows in (1, 5, 100):  # one thread, and the threaded path
+        h = torch.randn(rows, 576, generator=g) * 3
+        delta = torch.randn(rows, 576, generator=g)
+        ref_h = h + delta
+        got_h = h.clone()
+        got = kernel.add_rmsnorm(got_h, delta, norm.weight, 1e-5)
+        assert torch.equal(got_h, ref_h)
+        torch.testing.assert_close(got, norm(ref_h), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(7, 2 * 96, generator=g) * 4
+    gate, up = gu.split(96, dim=-1)
+    torch.testing.assert_close(kernel.silu_mul(gu), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    qkv = torch.randn(11, 9 + 2 * 3, 64, generator=g)
+    cos = torch.randn(50, 32, generator=g)
+    sin = torch.randn(50, 32, generator=g)
+    pos = torch.randint(0, 50, (11,), generator=g)
+    ref = apply_rope(qkv[:, :12], cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    got = qkv.clone()
+    kernel.rope(got, 12, cos, sin, pos)
+    torch.testing.assert_close(got[:, :12], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[:, 12:], qkv[:, 12:])
+
+
+def test_float32_engine_logits_agree_with_and_without_the_kernels(
+    head64_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole float32 model: packed matmuls, fused ops and the prefill kernel against
+    plain torch, cold and after a cached prefix."""
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_threads=1)
+    fast = LLM(str(head64_llama), **kw).engine
+    assert fast.runner.backend.prefill_kernel is not None
+    assert fast.runner.model.fused_kernels is not None
+    monkeypatch.setenv(ca.MODE_ENV, "torch")
+    slow = LLM(str(head64_llama), **kw).engine
+    assert slow.runner.backend.prefill_kernel is None
+    tokens = [(7 * i + 3) % 300 + 3 for i in range(150)]
+    for use_cache in (False, True):  # the second pass starts after a G1 hit
+        a = fast.score(tokens, use_prefix_cache=use_cache)
+        b = slow.score(tokens, use_prefix_cache=use_cache)
+        assert a.start == b.start and (a.start > 0) == use_cache
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
