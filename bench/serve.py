@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import sys
@@ -64,7 +65,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from common import emit, machine, table
+from common import emit, machine
+from serve_calibrate import calibrate, cpu_flags, host_fastest_dtype
 from serve_client import Limits, RunResult, run_workload, warm_up
 from serve_metrics import delta, run_metrics, scrape
+from serve_report import (
+    SUSTAINED_CDF,
+    bar_lines,
+    bars,
+    plot,
+    plot_cdf,
+    print_ratios,
+    ratios,
+    report_table,
+    sustained_table,
+)
 from serve_stats import summarize
 from serve_systems import (
     SERVED_NAME,
@@ -89,9 +102,12 @@ from serve_systems import (
 from serve_workloads import (
     DocQaConfig,
     MultiRoundConfig,
+    SustainedConfig,
     Workload,
     build_doc_qa,
     build_multi_round,
+    build_sustained,
+    sustained_user_rate,
     warmup_messages,
 )
 
@@ -99,36 +115,6 @@ from kvtier.units import parse_bytes
 
 QUICK_SYSTEMS = "vllm,kvtier,vllm_small_kv,kvtier_small_g1,kvtier_small_g1_cpu_tier"
 PLOTS = Path(__file__).resolve().parent / "plots"
-# (key in the JSON line, numerator system, denominator system, figure)
-RATIOS = (
-    ("kvtier_over_vllm_ttft_p50", "kvtier", "vllm", "ttft_p50_s"),
-    ("kvtier_over_vllm_ttft_p99", "kvtier", "vllm", "ttft_p99_s"),
-    ("kvtier_over_vllm_itl_p50", "kvtier", "vllm", "itl_p50_s"),
-    (
-        "cpu_tier_over_small_g1_ttft_p99",
-        "kvtier_small_g1_cpu_tier",
-        "kvtier_small_g1",
-        "ttft_p99_s",
-    ),
-    (
-        "cpu_tier_over_vllm_small_kv_ttft_p99",
-        "kvtier_small_g1_cpu_tier",
-        "vllm_small_kv",
-        "ttft_p99_s",
-    ),
-    (
-        "cpu_tier_over_lmcache_ttft_p99",
-        "kvtier_small_g1_cpu_tier",
-        "vllm_small_kv_lmcache",
-        "ttft_p99_s",
-    ),
-    (
-        "slow_tier_over_cpu_tier_itl_p99",
-        "kvtier_small_g1_cpu_tier_slow",
-        "kvtier_small_g1_cpu_tier",
-        "itl_p99_s",
-    ),
-)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,7 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--target", default=None, help="base URL of a running server")
     where.add_argument("--systems", default=None, help="comma-separated systems to start")
-    ap.add_argument("--workload", choices=("multi-round", "doc-qa"), default="multi-round")
+    ap.add_argument(
+        "--workload", choices=("multi-round", "doc-qa", "sustained"), default="multi-round"
+    )
     ap.add_argument("--qps", type=float, default=0.6, help="arrival rate, requests/s")
     ap.add_argument("--sweep-qps", default=None, help="comma-separated rates, e.g. 0.3,0.6,1.2")
     ap.add_argument("--seed", type=int, default=0)
@@ -153,6 +141,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mr.add_argument("--context-tokens", type=int, default=1000)
     mr.add_argument("--question-tokens", type=int, default=24)
     mr.add_argument("--answer-tokens", type=int, default=20)
+    su = ap.add_argument_group("sustained")
+    su.add_argument(
+        "--user-rate",
+        type=float,
+        default=None,
+        help="users joining per second (default: calibrated)",
+    )
+    su.add_argument("--think-s", type=float, default=1.0, help="pause before a user's next round")
+    su.add_argument(
+        "--sustained",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run the sustained workload after the main one (default: with --quick)",
+    )
+    su.add_argument("--sustained-s", type=float, default=150.0, help="how long users keep joining")
+    su.add_argument(
+        "--sustained-load",
+        type=float,
+        default=0.75,
+        help="engine seconds of work offered per second, from the host's calibrated speeds",
+    )
     dq = ap.add_argument_group("doc-qa")
     dq.add_argument("--documents", type=int, default=8)
     dq.add_argument("--doc-min-tokens", type=int, default=1000)
@@ -168,9 +177,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--request-timeout-s", type=float, default=None, help="default 300 (--quick 120)"
     )
     sy = ap.add_argument_group("systems")
-    sy.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory of kvtier and vllm")
     sy.add_argument(
-        "--small-kv-blocks", type=int, default=32, help="small KV budget in 128-token blocks"
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="every system's dtype (auto: the fastest on this host: bf16 only with native bf16)",
+    )
+    sy.add_argument(
+        "--kv-tokens", type=int, default=364 * 128, help="KV budget of kvtier and vllm, in tokens"
+    )
+    sy.add_argument(
+        "--small-kv-tokens", type=int, default=32 * 128, help="the small KV budget, in tokens"
     )
     sy.add_argument("--tier-capacity", default="2GiB", help="capacity of the kvtier tier")
     sy.add_argument(
@@ -205,6 +222,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--records", type=Path, default=None, help="write every request as JSON lines")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs directory")
     args = ap.parse_args(argv)
+    if args.sustained is None:
+        args.sustained = args.quick
+    if args.quick and args.sustained_s == ap.get_default("sustained_s"):
+        args.sustained_s = 120.0
+    if args.workload == "sustained":
+        args.sustained = False  # the main workload is the sustained one
+        if args.duration_s is None:
+            args.duration_s = args.sustained_s  # users stop joining and rounds stop being sent
     if args.duration_s is None:
         args.duration_s = 75.0 if args.quick else 600.0
     if args.request_timeout_s is None:
@@ -224,9 +249,26 @@ def token_counter(tokenizer: str) -> Callable[[str], int]:
     return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
+def sustained_config(args: argparse.Namespace, user_rate: float, seed: int) -> SustainedConfig:
+    """The sustained workload of these options: the multi-round shape, users joining."""
+    return SustainedConfig(
+        user_rate=user_rate,
+        duration_s=args.sustained_s,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        context_tokens=args.context_tokens,
+        question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens,
+        think_s=args.think_s,
+        seed=seed,
+    )
+
+
 def make_workload(
     args: argparse.Namespace, count: Callable[[str], int], qps: float, seed: int
 ) -> Workload:
+    if args.workload == "sustained":
+        return build_sustained(sustained_config(args, args.user_rate, seed), count)
     if args.workload == "doc-qa":
         dq = DocQaConfig(
             documents=args.documents,
@@ -287,146 +329,75 @@ def target(url: str) -> Iterator[Running]:
     yield Running("target", url.rstrip("/").removesuffix("/v1"), 0, Path(), {"url": url})
 
 
+def run_point(
+    sys_: Running, model: str, label: str, workload: Workload, limits: Limits,
+    records: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """One workload against ``sys_``: its summary (with the sorted TTFT samples)."""
+    print(f"  {sys_.name}: {label} ({workload.planned} requests planned)", flush=True)
+    summary, result = measure(sys_.url, model, workload, limits)
+    summary.update({"model": model, "config": sys_.info})
+    summary["ttft_samples_s"] = sorted(r.ttft_s for r in result.ok if r.ttft_s is not None)
+    records += [{"system": sys_.name, "workload": label, **r.to_dict()} for r in result.records]
+    print(
+        f"  {sys_.name}: {summary['requests']} ok, {summary['errors']} errors, "
+        f"{summary['not_sent']} not sent, {summary['pending_at_end']} pending at the end, "
+        f"{summary['duration_s']:.1f} s",
+        flush=True,
+    )
+    return summary
+
+
 def run_system(
     args: argparse.Namespace,
     sys_: Running,
-    workloads: Callable[[], list[tuple[float, Workload]]],
+    plan: Plan,
     warmup: list[dict[str, str]],
-    limits: Limits,
     records: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
-    """Warms ``sys_`` up and runs a fresh workload per QPS point; one summary per point.
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Warms ``sys_`` up, runs the main workload at each rate, then the sustained one.
 
-    ``workloads`` builds them anew: a conversation keeps the answers of the
-    server it ran against.
+    Workloads are built anew for every system: a conversation keeps the
+    answers of the server it ran against.
+
+    Returns:
+        The main workload's summaries (one per rate) and the sustained one's (or None).
     """
     model = args.model or served_model(sys_.url)
     warm = asyncio.run(warm_up(sys_.url, model, warmup))
     if warm.error:
         print(f"  note: warm-up request failed: {warm.error}", flush=True)
     points = []
-    for qps, workload in workloads():
-        print(
-            f"  {sys_.name}: {workload.name} at {qps:g} req/s ({workload.planned} requests planned)",
-            flush=True,
-        )
-        summary, result = measure(sys_.url, model, workload, limits)
-        summary.update({"qps": qps, "model": model, "config": sys_.info})
-        summary["ttft_samples_s"] = sorted(r.ttft_s for r in result.ok if r.ttft_s is not None)
-        points.append(summary)
-        records += [{"system": sys_.name, "qps": qps, **r.to_dict()} for r in result.records]
-        print(
-            f"  {sys_.name}: {summary['requests']} ok, {summary['errors']} errors, "
-            f"{summary['not_sent']} not sent in {summary['duration_s']:.1f} s",
-            flush=True,
-        )
-    return points
-
-
-def _ms(v: float | None) -> float | str:
-    return v * 1e3 if v is not None else "-"
-
-
-def _num(v: float | None) -> float | str:
-    return v if v is not None else "-"
-
-
-def _pct(v: float | None) -> str:
-    return f"{v:.1%}" if v is not None else "-"
-
-
-def report_table(sweeps: dict[str, list[dict[str, Any]]]) -> str:
-    headers = [
-        "system", "qps", "req", "err", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99",
-        "e2e p50 s", "req/s", "prompt tok/s", "out tok/s", "hit", "hit (usage)",
-    ]  # fmt: skip
-    rows = []
-    for name, points in sweeps.items():
-        for s in points:
-            rows.append(
-                [
-                    name, s["qps"], s["requests"], s["errors"],
-                    _ms(s["ttft_p50_s"]), _ms(s["ttft_p90_s"]), _ms(s["ttft_p99_s"]),
-                    _ms(s["itl_p50_s"]), _ms(s["itl_p90_s"]), _ms(s["itl_p99_s"]),
-                    _num(s["e2e_p50_s"]), _num(s["requests_per_s"]),
-                    _num(s["prompt_tokens_per_s"]), _num(s["output_tokens_per_s"]),
-                    _pct(s["hit_rate"]), _pct(s["hit_rate_usage"]),
-                ]
-            )  # fmt: skip
-    return table(headers, rows)
-
-
-def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    out = {}
-    for key, num, den, fig in RATIOS:
-        a = systems.get(num, {}).get(fig)
-        b = systems.get(den, {}).get(fig)
-        if a is not None and b:
-            out[key] = a / b
-    return out
-
-
-def plot(sweeps: dict[str, list[dict[str, Any]]], main_qps: float, out_dir: Path) -> list[str]:
-    """The TTFT CDF per system (at ``main_qps``) and, with several rates, TTFT against QPS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in sweeps.items():
-        s = min(points, key=lambda p: abs(p["qps"] - main_qps))
-        xs = s["ttft_samples_s"]
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF at {main_qps:g} req/s")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "serve-ttft-cdf.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(str(path))
-    if any(len(points) > 1 for points in sweeps.values()):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, points in sweeps.items():
-            qps = [p["qps"] for p in points]
-            line = ax.plot(qps, [p["ttft_p50_s"] for p in points], marker="o", label=f"{name} p50")
-            color = line[0].get_color()
-            ax.plot(
-                qps,
-                [p["ttft_p99_s"] for p in points],
-                marker="x",
-                ls="--",
-                color=color,
-                label=f"{name} p99",
-            )
-        ax.set_xlabel("offered load (requests/s)")
-        ax.set_ylabel("TTFT (s)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / "serve-ttft-vs-qps.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(str(path))
-    return written
+    for qps, workload in plan.workloads():
+        label = f"{workload.name} at {qps:g} req/s"
+        point = run_point(sys_, model, label, workload, plan.limits, records)
+        point["qps"] = qps
+        points.append(point)
+    sustained = None
+    if plan.sustained is not None:
+        workload = plan.sustained()
+        label = f"sustained, {workload.params['user_rate']:.3g} users/s"
+        sustained = run_point(sys_, model, label, workload, plan.sustained_limits, records)
+    return points, sustained
 
 
 @dataclass
 class Plan:
-    """What one invocation runs: systems (or a target), rates, options and bounds."""
+    """What one invocation runs: systems (or a target), workloads, options and bounds.
+
+    ``workloads`` builds the main workload at each rate, ``sustained`` the
+    sustained one (None when it does not run); both build fresh lanes.
+    """
 
     runs: list[tuple[str, Callable[[Path], AbstractContextManager[Running]]]]
     qps_points: list[float]
     main_qps: float
     limits: Limits
+    dtype: str
+    workloads: Callable[[], list[tuple[float, Workload]]] = list
+    sustained: Callable[[], Workload] | None = None
+    sustained_limits: Limits = field(default_factory=Limits)
+    calibration: dict[str, Any] | None = None
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -440,13 +411,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if any(q <= 0 for q in qps_points):
             raise ValueError(f"request rates must be positive, got {qps_points}")
         limits = Limits(args.duration_s, args.max_requests, args.request_timeout_s)
+        if args.dtype == "auto":
+            args.dtype = host_fastest_dtype()
         runs: list[tuple[str, Callable[[Path], AbstractContextManager[Running]]]]
         if args.target:
             runs = [("target", lambda _: target(args.target))]
         else:
             opts = SystemOptions(
-                big_kv_gib=args.kv_cache_gib,
-                small_kv_blocks=args.small_kv_blocks,
+                dtype=args.dtype,
+                big_kv_tokens=args.kv_tokens,
+                small_kv_tokens=args.small_kv_tokens,
                 tier_bytes=parse_bytes(args.tier_capacity),
                 slow_get_ms=args.slow_get_ms,
                 max_model_len=args.max_model_len,
@@ -462,37 +436,103 @@ def make_plan(args: argparse.Namespace) -> Plan:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     main_qps = args.qps if args.qps in qps_points else qps_points[0]
-    return Plan(runs, qps_points, main_qps, limits)
+    return Plan(runs, qps_points, main_qps, limits, args.dtype)
 
 
 def print_report(
     args: argparse.Namespace,
+    plan: Plan,
     workload: Workload,
     sweeps: dict[str, list[dict[str, Any]]],
-    systems: dict[str, dict[str, Any]],
+    sustained: dict[str, dict[str, Any]],
+    sustained_workload: Workload | None,
     not_measured: dict[str, str],
-) -> dict[str, float]:
-    """The human-readable part: workload, table, ratio lines; returns the ratios."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The human-readable part: host, workloads, tables, ratio and bar lines; returns the
+    ratios of the main and of the sustained workload."""
     params = {k: v for k, v in workload.params.items() if k not in ("doc_tokens", "doc_requests")}
+    cpu = cpu_flags()
     print(f"\n{(__doc__ or '').splitlines()[0]}")
+    print(f"host: {cpu['model']}, {os.cpu_count()} CPUs, flags {' '.join(cpu['flags'])}")
+    print(f"dtype of every system: {plan.dtype}")
     print(f"{workload.name}: {json.dumps(params)}")
     print(
         f"limits: {args.duration_s:g} s of sending per run, "
         f"{args.max_requests or 'no'} request cap, {args.request_timeout_s:g} s per request"
     )
     print(report_table(sweeps))
-    rat = ratios(systems)
-    for key, num, den, fig in RATIOS:
-        if key in rat:
-            print(f"{num} / {den} {fig.removesuffix('_s')}: {rat[key]:.2f}x")
+    main_systems = {name: pts[0] for name, pts in sweeps.items()}
+    rat = ratios(main_systems)
+    print_ratios(rat)
+    sus_rat: dict[str, float] = {}
+    if sustained and sustained_workload is not None:
+        sp = sustained_workload.params
+        print(
+            f"\nsustained: {sp['users']} users joining at {sp['user_rate']:.3g}/s for "
+            f"{sp['duration_s']:g} s, {sp['rounds']} rounds, {sp['system_tokens']}-token system "
+            f"prompt, {sp['context_tokens']}-token contexts, {sp['answer_tokens']}-token answers"
+        )
+        if plan.calibration is not None:
+            c = plan.calibration
+            print(
+                f"calibration: prefill {c['prefill_tokens_per_s']:.0f} tok/s, decode "
+                f"{c['decode_tokens_per_s']:.0f} tok/s at batch {c['decode_batch']} "
+                f"(bundled engine, {c['dtype']}); offered load {args.sustained_load:g}"
+            )
+        print(sustained_table(sustained))
+        sus_rat = ratios(sustained)
+        print_ratios(sus_rat)
+        for line in bar_lines(sustained, sus_rat):
+            print(line)
     for name, why in not_measured.items():
         print(f"not measured: {name}: {why}")
-    return rat
+    return rat, sus_rat
+
+
+def _public(point: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in point.items() if k != "ttft_samples_s"}
 
 
 def _terminate(signum: int, _frame: object) -> None:
     """SIGTERM (``timeout``, a CI runner) unwinds like Ctrl-C: the servers started are stopped."""
     raise SystemExit(128 + signum)
+
+
+def resolve_sustained(args: argparse.Namespace, plan: Plan, count: Callable[[str], int]) -> None:
+    """Sets the sustained workload of ``plan``, calibrating the host first when no rate is given.
+
+    Raises:
+        SystemExit: for an impossible workload option.
+    """
+    if not (args.sustained or args.workload == "sustained"):
+        return
+    if args.user_rate is None:
+        print(f"calibrating this host's speed ({plan.dtype}, bundled engine) ...", flush=True)
+        cal = calibrate(plan.dtype)
+        plan.calibration = cal.to_dict()
+        probe = sustained_config(args, 1.0, args.seed)
+        args.user_rate = sustained_user_rate(
+            probe.prefill_tokens_per_user,
+            probe.generated_tokens_per_user,
+            cal.prefill_tokens_per_s,
+            cal.decode_tokens_per_s,
+            args.sustained_load,
+        )
+        print(
+            f"  prefill {cal.prefill_tokens_per_s:.0f} tok/s, decode {cal.decode_tokens_per_s:.0f}"
+            f" tok/s: {args.user_rate:.3g} users/s",
+            flush=True,
+        )
+    if args.sustained:
+        seed = args.seed + 1000  # its own text: nothing cached by the main workload
+        plan.sustained = lambda: build_sustained(
+            sustained_config(args, args.user_rate, seed), count
+        )
+        plan.sustained_limits = Limits(args.sustained_s, None, args.request_timeout_s)
+        try:
+            plan.sustained()
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -505,12 +545,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     plan = make_plan(args)
     count = token_counter(args.tokenizer)
+    resolve_sustained(args, plan, count)
 
     def workloads() -> list[tuple[float, Workload]]:
         return [
             (q, make_workload(args, count, q, args.seed + i)) for i, q in enumerate(plan.qps_points)
         ]
 
+    plan.workloads = workloads
     warmup = warmup_messages(count)
     try:
         workloads()  # a bad workload option fails before anything starts
@@ -518,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e}") from None
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
     sweeps: dict[str, list[dict[str, Any]]] = {}
+    sustained: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     failed: dict[str, str] = {}
     records: list[dict[str, Any]] = []
@@ -527,7 +570,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with start(workdir / name) as sys_:
                 print(f"[{time.monotonic() - started:5.0f} s] {name}: up at {sys_.url}", flush=True)
-                sweeps[name] = run_system(args, sys_, workloads, warmup, plan.limits, records)
+                points, sus = run_system(args, sys_, plan, warmup, records)
+                sweeps[name] = points
+                if sus is not None:
+                    sustained[name] = sus
         except SystemUnavailable as e:
             skipped[name] = str(e)
             print(f"  note: {name} skipped: {e}", flush=True)
@@ -541,11 +587,14 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.monotonic() - started
 
     def at_main_qps(points: list[dict[str, Any]]) -> dict[str, Any]:
-        p = min(points, key=lambda p: abs(p["qps"] - plan.main_qps))
-        return {k: v for k, v in p.items() if k != "ttft_samples_s"}
+        return min(points, key=lambda p: abs(p["qps"] - plan.main_qps))
 
-    systems = {name: at_main_qps(pts) for name, pts in sweeps.items()}
-    plots = [] if args.no_plots or not sweeps else plot(sweeps, plan.main_qps, args.plots_dir)
+    main_points = {name: at_main_qps(pts) for name, pts in sweeps.items()}
+    plots: list[str] = []
+    if not args.no_plots and sweeps:
+        plots = plot(sweeps, plan.main_qps, args.plots_dir)
+        if sustained:
+            plots.append(plot_cdf(sustained, "TTFT CDF, sustained", args.plots_dir / SUSTAINED_CDF))
     if args.records is not None:
         args.records.write_text("".join(json.dumps(r) + "\n" for r in records))
     if failed or args.keep_logs:
@@ -553,12 +602,29 @@ def main(argv: list[str] | None = None) -> None:
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     workload = next(w for q, w in workloads() if q == plan.main_qps)
-    rat = print_report(args, workload, sweeps, systems, {**skipped, **failed})
+    sustained_workload = plan.sustained() if plan.sustained is not None else None
+    if args.workload == "sustained":
+        sustained, sustained_workload = main_points, workload
+    rat, sus_rat = print_report(
+        args, plan, workload, sweeps, sustained, sustained_workload, {**skipped, **failed}
+    )
     sweep_out = {
         name: [{k: v for k, v in p.items() if k not in ("ttft_samples_s", "config")} for p in pts]
         for name, pts in sweeps.items()
         if len(pts) > 1
     }
+    sustained_out = None
+    if sustained_workload is not None:
+        sustained_out = {
+            "workload": sustained_workload.params,
+            "user_rate": sustained_workload.params["user_rate"],
+            "calibration": plan.calibration,
+            "dtype": plan.dtype,
+            "vllm_dtype": plan.dtype,
+            "systems": {name: _public(p) for name, p in sustained.items()},
+            "ratios": sus_rat,
+            "bars": bars(sustained, sus_rat),
+        }
     emit(
         {
             "bench": "serve",
@@ -572,15 +638,20 @@ def main(argv: list[str] | None = None) -> None:
                 "tokenizer": args.tokenizer,
             },
             "target": args.target,
-            "systems": systems,
+            "dtype": plan.dtype,
+            "vllm_dtype": plan.dtype,
+            "kv_tokens": {"big": args.kv_tokens, "small": args.small_kv_tokens},
+            "systems": {name: _public(p) for name, p in main_points.items()},
             "ran": list(sweeps),
             "ratios": rat,
+            "bars": bars(main_points, rat),
+            "sustained": sustained_out,
             "skipped": skipped,
             "failed": failed,
             "sweep": sweep_out,
             "plots": plots,
             "elapsed_s": elapsed,
-            "machine": machine(),
+            "machine": {**machine(), "cpu": cpu_flags()},
         }
     )
 

@@ -82,15 +82,51 @@ class RequestRecord:
 
 @dataclass
 class RunResult:
-    """Every record of one run, how long it lasted and how many planned requests were not sent."""
+    """Every record of one run, how long it lasted and how many planned requests were not sent.
+
+    ``send_window_s`` is the time after which no request was sent (the run's
+    ``duration_s``); requests still in flight then finished afterwards.
+    """
 
     records: list[RequestRecord]
     duration_s: float
     not_sent: int
+    send_window_s: float | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
         return [r for r in self.records if r.error is None]
+
+    @property
+    def pending_at_end(self) -> int:
+        """Requests sent but not completed when the send window closed (the server's backlog)."""
+        end = self.send_window_s if self.send_window_s is not None else self.duration_s
+        return sum(1 for r in self.records if r.sent_s < end < r.sent_s + r.e2e_s)
+
+    def busy_fraction(self) -> float | None:
+        """Fraction of the send window with at least one request in the server.
+
+        NOTE: measured from the client, so it means the same for every server:
+        while a request is in flight the server is queueing or computing for it.
+        """
+        end = self.send_window_s if self.send_window_s is not None else self.duration_s
+        spans = sorted((r.sent_s, min(r.sent_s + r.e2e_s, end)) for r in self.records)
+        if not spans or end <= spans[0][0]:
+            return None
+        start = spans[0][0]
+        busy, cur_lo, cur_hi = 0.0, None, None
+        for lo, hi in spans:
+            if hi <= lo:
+                continue
+            if cur_hi is None or lo > cur_hi:
+                if cur_hi is not None and cur_lo is not None:
+                    busy += cur_hi - cur_lo
+                cur_lo, cur_hi = lo, hi
+            else:
+                cur_hi = max(cur_hi, hi)
+        if cur_hi is not None and cur_lo is not None:
+            busy += cur_hi - cur_lo
+        return busy / (end - start)
 
 
 @dataclass(frozen=True)
@@ -232,7 +268,9 @@ async def run_workload(base_url: str, model: str, workload: Workload, limits: Li
     deadline = limits.duration_s
 
     async def run_lane(client: httpx.AsyncClient, lane: Lane) -> None:
+        ready = 0.0  # when the lane may send again: its previous answer plus think time
         for turn, at in enumerate(lane.arrivals):
+            at = max(at, ready)
             if at >= deadline:
                 return
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - origin)))
@@ -253,6 +291,7 @@ async def run_workload(base_url: str, model: str, workload: Workload, limits: Li
             if rec.error is not None:
                 return
             lane.session.answered(rec.text)
+            ready = rec.sent_s + rec.e2e_s + lane.think_s
 
     pool = httpx.Limits(max_connections=max(16, len(workload.lanes)), max_keepalive_connections=64)
     timeout = httpx.Timeout(limits.request_timeout_s, connect=30.0)
@@ -260,7 +299,7 @@ async def run_workload(base_url: str, model: str, workload: Workload, limits: Li
         await asyncio.gather(*(run_lane(client, lane) for lane in workload.lanes))
     ends = [r.sent_s + r.e2e_s for r in records]
     duration = max(ends) if ends else time.perf_counter() - origin
-    return RunResult(records, duration, workload.planned - len(records))
+    return RunResult(records, duration, workload.planned - len(records), deadline)
 
 
 async def warm_up(

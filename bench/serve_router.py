@@ -48,15 +48,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, machine, table
+from serve_calibrate import host_fastest_dtype
 from serve_client import Limits, run_workload, warm_up
 from serve_metrics import Samples, delta, run_metrics, scrape
 from serve_stats import summarize
 from serve_systems import (
     REPO,
-    SMOLLM2_KV_BYTES_PER_TOKEN,
     KvtierEngineServer,
     SystemOptions,
     free_port,
+    kv_bytes_per_token,
     stop_process,
     tier_config,
     wait_healthy,
@@ -153,7 +154,7 @@ def engine(
     kvtier_config: Path | None = None,
 ) -> KvtierEngineServer:
     server = KvtierEngineServer(
-        kv_tokens * SMOLLM2_KV_BYTES_PER_TOKEN,
+        kv_tokens * kv_bytes_per_token(host_fastest_dtype()),  # the engine's "auto" dtype
         workdir / f"{name}.log",
         kvtier_config=kvtier_config,
         threads=args.threads,
@@ -262,7 +263,7 @@ def pd_engines(
     roles = ("prefill", "decode") if mode == "pd" else ("both", "both")
     with ExitStack() as stack:
         cache = stack.enter_context(ServerProcess(2 << 30))
-        opts = SystemOptions(max_model_len=2048, small_kv_blocks=32)
+        opts = SystemOptions(max_model_len=2048)
         mode_dir = workdir / mode
         mode_dir.mkdir(parents=True, exist_ok=True)
         config = tier_config("server", opts, mode_dir, cache.address)

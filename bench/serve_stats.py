@@ -71,6 +71,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "hit_rate_usage": _ratio(cached, prompt_with_cached) if with_cached else None,
         "usage_missing": sum(1 for r in ok if r.completion_tokens is None),
         "itl_samples": len(itl),
+        "pending_at_end": result.pending_at_end,
+        "busy_fraction": result.busy_fraction(),
     }
     for q in PERCENTILES:
         out[f"ttft_p{q}_s"] = percentile(ttft, q)

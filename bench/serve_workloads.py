@@ -12,6 +12,13 @@ later. The server's actual answers go back into the lane's history.
   ``answer_tokens`` long (``ignore_eos``). Arrivals form one Poisson process
   at ``qps``; its k-th arrival is round ``k // users`` of user ``k % users``,
   so every user's rounds are ``users / qps`` seconds apart on average.
+* ``sustained``: users keep arriving, so the server never drains. Users
+  join as a Poisson process at ``user_rate`` per second for ``duration_s``;
+  each is a multi-round conversation as above (shared system prompt, its
+  own context, ``rounds`` rounds re-sending the history), and sends its
+  next round ``think_s`` after its previous answer completed. The rate is
+  chosen per host by ``bench/serve.py`` from a calibration of the host's
+  prefill and decode speed (:func:`sustained_user_rate`).
 * ``doc-qa``: a pool of ``documents`` documents of ``min_tokens`` to
   ``max_tokens`` tokens (never a multiple of 16, so no prompt lines up with
   a block or chunk boundary); ``questions`` independent requests, each about
@@ -140,11 +147,13 @@ class Session(Protocol):
 
 @dataclass
 class Lane:
-    """Turns sent in order: turn i at ``arrivals[i]`` or after turn i-1 completed, if later."""
+    """Turns sent in order: turn i at ``arrivals[i]`` or ``think_s`` after turn i-1
+    completed, whichever is later."""
 
     name: str
     session: Session
     arrivals: list[float]
+    think_s: float = 0.0
 
 
 @dataclass
@@ -257,6 +266,68 @@ class DocQaConfig:
             raise ValueError("max_tokens must exceed min_tokens by at least 16")
 
 
+@dataclass(frozen=True)
+class SustainedConfig:
+    """The sustained workload: users keep joining for ``duration_s`` at ``user_rate`` per second."""
+
+    user_rate: float
+    duration_s: float = 150.0
+    rounds: int = 4
+    system_tokens: int = 1000
+    context_tokens: int = 1000
+    question_tokens: int = 24
+    answer_tokens: int = 20
+    think_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(
+            user_rate=self.user_rate,
+            duration_s=self.duration_s,
+            rounds=self.rounds,
+            system_tokens=self.system_tokens,
+            context_tokens=self.context_tokens,
+            question_tokens=self.question_tokens,
+            answer_tokens=self.answer_tokens,
+        )
+        if self.think_s < 0:
+            raise ValueError(f"think_s must be >= 0, got {self.think_s}")
+
+    @property
+    def prefill_tokens_per_user(self) -> int:
+        """Prompt tokens one user makes the server compute once the system prompt is cached:
+        its context and first question, then each later round's previous answer and new
+        question, plus the chat template's few tokens and the partial block a prefix
+        cache recomputes (about half a 16-token block) per round."""
+        per_round = self.answer_tokens + self.question_tokens + 8 + 8
+        return self.context_tokens + self.question_tokens + 8 + (self.rounds - 1) * per_round
+
+    @property
+    def generated_tokens_per_user(self) -> int:
+        return self.rounds * self.answer_tokens
+
+
+def sustained_user_rate(
+    cfg_prefill_tokens: int,
+    cfg_generated_tokens: int,
+    prefill_tokens_per_s: float,
+    decode_tokens_per_s: float,
+    load: float = 0.75,
+) -> float:
+    """Users per second that offer ``load`` seconds of engine work per second.
+
+    A user costs ``prefill tokens / prefill speed + generated tokens / decode
+    speed`` seconds, both speeds measured on this host
+    (``serve_calibrate.calibrate``), so a slow and a fast CPU are loaded alike.
+    """
+    if min(cfg_prefill_tokens, cfg_generated_tokens) <= 0 or load <= 0:
+        raise ValueError("tokens per user and load must be positive")
+    if min(prefill_tokens_per_s, decode_tokens_per_s) <= 0:
+        raise ValueError("measured speeds must be positive")
+    cost_s = cfg_prefill_tokens / prefill_tokens_per_s + cfg_generated_tokens / decode_tokens_per_s
+    return load / cost_s
+
+
 def _rng(seed: int, *parts: object) -> random.Random:
     # NOTE: str seeds are hashed with SHA-512 by random.seed, so they are stable
     # across processes (no PYTHONHASHSEED dependence).
@@ -288,6 +359,33 @@ def build_multi_round(cfg: MultiRoundConfig, count_tokens: CountTokens) -> Workl
         lanes.append(Lane(f"user{u}", Conversation(system, context, questions), times))
     params = {"workload": "multi-round", **vars(cfg)}
     return Workload("multi-round", lanes, cfg.answer_tokens, params)
+
+
+def build_sustained(cfg: SustainedConfig, count_tokens: CountTokens) -> Workload:
+    """The sustained workload (see the module docstring): one lane per user that joins
+    before ``duration_s``."""
+    maker = TextMaker(count_tokens)
+    system = maker.text(cfg.system_tokens, _rng(cfg.seed, "sustained-system"))
+    arrivals_rng = _rng(cfg.seed, "sustained-arrivals")
+    joins: list[float] = []
+    t = arrivals_rng.expovariate(cfg.user_rate)
+    while t < cfg.duration_s:
+        joins.append(t)
+        t += arrivals_rng.expovariate(cfg.user_rate)
+    lanes = []
+    for u, join in enumerate(joins):
+        context = maker.text(cfg.context_tokens, _rng(cfg.seed, "sustained-context", u))
+        qrng = _rng(cfg.seed, "sustained-questions", u)
+        questions = [_question(maker, cfg.question_tokens, qrng) for _ in range(cfg.rounds)]
+        conversation = Conversation(system, context, questions)
+        lanes.append(Lane(f"user{u}", conversation, [join] * cfg.rounds, cfg.think_s))
+    params = {
+        "workload": "sustained",
+        **vars(cfg),
+        "users": len(lanes),
+        "prefill_tokens_per_user": cfg.prefill_tokens_per_user,
+    }
+    return Workload("sustained", lanes, cfg.answer_tokens, params)
 
 
 def doc_lengths(cfg: DocQaConfig) -> list[int]:

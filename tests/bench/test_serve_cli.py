@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import serve
 from serve_systems import (
-    SMOLLM2_KV_BYTES_PER_TOKEN,
     SystemOptions,
     SystemSpec,
     SystemUnavailable,
+    kv_bytes_per_token,
     running_system,
     tier_config,
+    vllm_server_kwargs,
 )
 
 from kvtier.config import load_config
@@ -30,19 +31,37 @@ SYSTEM_KEYS = (
 )
 
 
-def test_small_budget_is_the_same_tokens_for_both_engines() -> None:
-    opts = SystemOptions(small_kv_blocks=56)
-    assert SMOLLM2_KV_BYTES_PER_TOKEN == 23_040
-    assert opts.small_kv_bytes == 56 * 128 * 23_040
+def test_budgets_are_tokens_converted_by_each_systems_dtype() -> None:
+    bf16 = SystemOptions(dtype="bfloat16", small_kv_tokens=56 * 128)
+    fp32 = SystemOptions(dtype="float32", small_kv_tokens=56 * 128)
+    assert kv_bytes_per_token("bfloat16") == 23_040
+    assert kv_bytes_per_token("float32") == 46_080
+    assert bf16.kv_tokens(small=True) == fp32.kv_tokens(small=True) == 56 * 128
+    assert bf16.kv_bytes(small=True) == 56 * 128 * 23_040
+    assert fp32.kv_bytes(small=True) == 2 * bf16.kv_bytes(small=True)
     # kvtier's engine divides the bytes into 16-token blocks: exactly 56 * 8 of them
-    assert opts.small_kv_bytes % (16 * SMOLLM2_KV_BYTES_PER_TOKEN) == 0
-    assert opts.big_kv_bytes == 1 << 30
+    assert fp32.kv_bytes(small=True) % (16 * 46_080) == 0
+    assert bf16.kv_bytes(small=False) <= 1 << 30 < fp32.kv_bytes(small=False)
 
 
-def test_a_context_must_fit_in_the_small_budget_less_the_block_vllm_keeps() -> None:
-    SystemOptions(small_kv_blocks=25, max_model_len=3072)  # 24 usable blocks: exactly 3072
+def test_vllm_gets_the_same_tokens_as_blocks_in_enough_memory(tmp_path: Path) -> None:
+    for dtype, gib in (("bfloat16", 1), ("float32", 2)):
+        opts = SystemOptions(dtype=dtype)
+        kw = vllm_server_kwargs(SystemSpec.named("vllm"), opts, tmp_path / "log")
+        assert kw["num_gpu_blocks"] * 128 == opts.big_kv_tokens
+        assert kw["kv_cache_gib"] == gib
+        assert kw["num_gpu_blocks"] * 128 * kv_bytes_per_token(dtype) <= gib << 30
+        assert kw["extra_args"][kw["extra_args"].index("--dtype") + 1] == dtype
+
+
+def test_bad_budgets_are_refused() -> None:
+    SystemOptions(small_kv_tokens=25 * 128, max_model_len=3072)  # 24 usable blocks: exactly 3072
     with pytest.raises(ValueError, match="usable tokens"):
-        SystemOptions(small_kv_blocks=24, max_model_len=3072)
+        SystemOptions(small_kv_tokens=24 * 128, max_model_len=3072)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        SystemOptions(big_kv_tokens=1000)
+    with pytest.raises(ValueError, match="dtype"):
+        SystemOptions(dtype="float16")
 
 
 def test_system_names() -> None:

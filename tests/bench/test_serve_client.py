@@ -125,6 +125,14 @@ def test_multi_round_resends_the_servers_answers(fake: FakeOpenAI) -> None:
         assert b.sent_s >= a.sent_s + a.e2e_s - 1e-6
 
 
+def test_a_users_next_round_waits_its_think_time(fake: FakeOpenAI) -> None:
+    conv = Conversation("sys", "ctx", ["q0", "q1"])
+    lanes = [Lane("u", conv, [0.0, 0.0], think_s=0.3)]
+    result = asyncio.run(run_workload(fake.url, "ok", _workload(lanes), Limits(duration_s=60)))
+    a, b = result.records
+    assert b.sent_s >= a.sent_s + a.e2e_s + 0.3 - 1e-6
+
+
 def test_bounds_request_cap_and_duration(fake: FakeOpenAI) -> None:
     lanes = [
         Lane(f"q{i}", SingleTurn([{"role": "user", "content": "hi"}]), [0.0]) for i in range(6)

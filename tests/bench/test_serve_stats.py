@@ -80,3 +80,19 @@ def test_summarize_without_cached_tokens_or_requests() -> None:
     empty = summarize(RunResult([], duration_s=0.0, not_sent=3))
     assert empty["requests"] == 0 and empty["ttft_p99_s"] is None
     assert empty["requests_per_s"] is None
+
+
+def _span(sent: float, e2e: float) -> RequestRecord:
+    return RequestRecord(lane="u", turn=0, scheduled_s=sent, sent_s=sent, e2e_s=e2e, ttft_s=0.1)
+
+
+def test_busy_fraction_and_pending_at_the_end_of_the_send_window() -> None:
+    # in flight: [1, 3] and [2, 4] overlap -> [1, 4]; [6, 7]; [9, 12] crosses the window's end
+    records = [_span(1.0, 2.0), _span(2.0, 2.0), _span(6.0, 1.0), _span(9.0, 3.0)]
+    result = RunResult(records, duration_s=12.0, not_sent=0, send_window_s=10.0)
+    # busy [1, 4] + [6, 7] + [9, 10] = 5 s of the 9 s from the first send to the window's end
+    assert result.busy_fraction() == pytest.approx(5.0 / 9.0)
+    assert result.pending_at_end == 1
+    s = summarize(result)
+    assert s["pending_at_end"] == 1 and s["busy_fraction"] == pytest.approx(5.0 / 9.0)
+    assert RunResult([], duration_s=1.0, not_sent=0).busy_fraction() is None

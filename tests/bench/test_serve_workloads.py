@@ -12,11 +12,14 @@ from serve_workloads import (
     Conversation,
     DocQaConfig,
     MultiRoundConfig,
+    SustainedConfig,
     TextMaker,
     build_doc_qa,
     build_multi_round,
+    build_sustained,
     doc_lengths,
     poisson_arrivals,
+    sustained_user_rate,
     zipf_choices,
 )
 
@@ -186,3 +189,39 @@ def test_rendered_prompts_extend_and_share_only_the_system_prompt(smollm2_tokeni
     before_context = a[: a.index(context)]
     assert common == len(tok.encode(before_context))
     assert w.lanes[0].session.system in tok.decode(ta[:common], skip_special_tokens=False)
+
+
+def test_sustained_users_keep_joining_through_the_window() -> None:
+    cfg = SustainedConfig(user_rate=0.5, duration_s=200.0, rounds=3, think_s=2.0, seed=4)
+    w = build_sustained(cfg, words)
+    joins = [lane.arrivals[0] for lane in w.lanes]
+    assert joins == sorted(joins) and all(0 < t < 200.0 for t in joins)
+    assert 70 <= len(w.lanes) <= 130  # Poisson: 100 expected
+    # as many joins in the second half of the window as in the first: the load does not fade
+    first = sum(t < 100.0 for t in joins)
+    assert abs(first - (len(joins) - first)) < 0.35 * len(joins)
+    lane = w.lanes[0]
+    assert lane.arrivals == [joins[0]] * 3 and lane.think_s == 2.0
+    assert w.planned == 3 * len(w.lanes) and w.params["users"] == len(w.lanes)
+    # every user shares the system prompt and has its own context
+    first_msgs = [lane.session.messages() for lane in w.lanes[:3]]
+    assert len({m[0]["content"] for m in first_msgs}) == 1
+    assert len({m[1]["content"] for m in first_msgs}) == 3
+    assert build_sustained(cfg, words).params == w.params  # deterministic per seed
+
+
+def test_sustained_rate_scales_with_the_hosts_speed() -> None:
+    cfg = SustainedConfig(user_rate=1.0)
+    p, g = cfg.prefill_tokens_per_user, cfg.generated_tokens_per_user
+    assert p > cfg.context_tokens and g == cfg.rounds * cfg.answer_tokens
+    slow = sustained_user_rate(p, g, 500.0, 100.0, load=0.75)
+    fast = sustained_user_rate(p, g, 1000.0, 200.0, load=0.75)
+    assert fast == pytest.approx(2 * slow)
+    # the offered work per second is the load: rate x (prefill + decode seconds per user)
+    assert slow * (p / 500.0 + g / 100.0) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        sustained_user_rate(p, g, 0.0, 100.0)
+    with pytest.raises(ValueError):
+        SustainedConfig(user_rate=0.0)
+    with pytest.raises(ValueError):
+        SustainedConfig(user_rate=1.0, think_s=-1.0)
