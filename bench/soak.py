@@ -1,7 +1,8 @@
 """Soak of the tiered store under injected faults, checked against a ground-truth model.
 
-    python bench/soak.py --quick          # ~12,000 operations, under a minute
-    python bench/soak.py --minutes 10     # longer; --ops N stops after N operations
+    python bench/soak.py --quick            # ~12,000 operations, under a minute
+    python bench/soak.py --quick --hostile  # and a hostile tenant (bench/soak_hostile.py)
+    python bench/soak.py --minutes 10       # longer; --ops N stops after N operations
 
 What runs: ``--clients`` threads issue random ``put`` / ``get`` / ``contains``
 / ``lookup`` / ``delete`` calls (1-8 keys each) on one ``TieredStore`` of
@@ -9,7 +10,10 @@ What runs: ``--clients`` threads issue random ``put`` / ``get`` / ``contains``
 * a CPU tier, small on purpose (2 MiB): it evicts, so reads reach the lower tiers;
 * a disk tier in a temporary directory, large enough that nothing is evicted;
 * a remote tier: a ``kvtier serve`` cache server started in this process on
-  127.0.0.1 (free ports, data plane on), itself storing on CPU + disk.
+  127.0.0.1 (free ports, data plane on), itself storing on CPU + disk. It
+  is closed (tokens): the honest clients are tenant ``honest``, the trusted
+  writer of the shared namespace ``fleet``; with ``--hostile`` a tenant
+  ``mallory`` writes the same namespace without being trusted.
 
 Blocks are content-addressed: block ``i`` is a valid encoded block bound to
 key ``i``, a function of ``i`` alone, so what a read must return is known.
@@ -38,29 +42,46 @@ The keys a disk fault damaged are read back through the store at once (their
 CPU-tier copies dropped first, so the read reaches the damaged file), and by
 the clients later as it happens.
 
+With ``--hostile`` a tenant with a writer token of the same namespace
+(``bench/soak_hostile.py``) puts wrong but otherwise valid blocks under the
+keys the honest clients use — every key before they start, then random
+batches all the time, some with a forged provenance trailer — and keeps
+stalled Put streams, silent data-plane sockets and half-sent HTTP requests
+open against the server.
+
 Ground truth, checked by every read:
 
 * **wrong_bytes_returned**: a read (``store.get``, or a durability check
   reading a tier directly) returned bytes for key ``i`` that are not block
   ``i``. Nothing excuses it; damaged files must be misses.
+  **poisoned_blocks_served**: of those, the hostile tenant's block of ``i``.
+
+* **puts / acknowledged**: ``puts`` counts the blocks honest clients handed
+  to ``store.put``; a put is *acknowledged* when a durable tier's ``put``
+  call returned success for it (the store writes the tiers below the CPU in
+  the background: the call that returns there is the tier's, recorded by a
+  wrapper of each durable tier, :class:`AckTier`). ``acknowledged`` counts
+  the honest puts some durable tier acknowledged (per key, the most
+  acknowledged by one tier: a lower bound), ``acknowledged_by_tier`` each.
 
 * **lost_acknowledged_writes**, per durable tier T (disk, remote):
 
-  - *acknowledged by T*: at a barrier, the key's owner last put it in that
-    phase, every background write has been flushed (the client's writers
-    and the server's), and T then says it holds the key (``contains``);
-  - *no longer acknowledged* once the owner deletes it (a put after the
-    delete must be acknowledged afresh); once T evicts it (the disk tier's
-    eviction listener names each key; capacities are sized so that neither
-    disk nor the server's disk evicts, and the server's evictions and writer
-    drops are reported); or once a fault destroys it in T — the files a disk
-    fault touched, listed when it strikes (T = disk only). A key whose file
-    a fault damaged *in place* (corrupted, truncated, another key's block
-    moved onto it) is not acknowledged by the disk again while that damaged
-    file is still there: the disk tier skips a put of a key whose file
-    exists (dedup trusts the file until a read checks it); once a read has
-    removed the bad file, a put must write it again and counts. A deleted
-    file excuses nothing: a put after it must write the block;
+  - *acknowledged by T*: T's put call returned success for the key, it had
+    started after the owner's last delete of the key ended, and no delete
+    of it began since;
+  - *no longer acknowledged* once the owner starts deleting it (a put after
+    the delete must be acknowledged afresh); once T evicts it (the disk
+    tier's eviction listener names each key; capacities are sized so that
+    neither disk nor the server's disk evicts, and the server's evictions and
+    writer drops are reported); or once a fault destroys it in T — the files
+    a disk fault touched, listed when it strikes (T = disk only). A key
+    whose file a fault damaged *in place* (corrupted, truncated, another
+    key's block moved onto it) is not acknowledged by the disk again while
+    that damaged file is still there: the disk tier skips a put of a key
+    whose file exists, and says it holds it (dedup trusts the file until a
+    read checks it); once a barrier has seen the bad file gone, a put
+    acknowledged after it counts again. A deleted file excuses nothing: a
+    put after it must write the block;
   - *lost*: an acknowledged key that T, read directly with no deadline, does
     not return — checked for a sample of keys at every barrier and for every
     key at the end (after restarting the server and the store), counted once
@@ -79,11 +100,16 @@ phase was a delete that the disk tier still holds at the barrier (a read
 racing with the delete promoted the block back; the bytes are right, and a
 cache may hold what it was told to drop).
 
+**read_back**: the acknowledged (tier, key) pairs the final check read back
+intact. **honest_p99_ms**: the 99th percentile of the honest clients' store
+calls (every get, put, contains, lookup and delete), in milliseconds.
+
 ``errors_by_kind`` adds up what the store counted (``kvtier_tier_errors_total``
 by kind, corrupt blocks by tier and by reason, writer-queue drops) and any
 exception that escaped a store call (``escaped``: none may). A table, then
 one JSON line last; the exit status is 1 if a bar fails
-(``wrong_bytes_returned == 0``, ``lost_acknowledged_writes == 0``,
+(``wrong_bytes_returned == 0``, ``poisoned_blocks_served == 0``,
+``lost_acknowledged_writes == 0``, ``acknowledged >= 0.9 * puts``,
 ``faults_injected >= 3``, ``ops >= 10000`` unless ``--ops`` asks for fewer,
 no escaped exception).
 """
@@ -111,13 +137,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine, table
+from soak_hostile import Hostile
 
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig
 from kvtier.errors import DeadlineExceededError, KvtierError, TransientError
 from kvtier.metrics import StoreMetrics
+from kvtier.provenance import unstamped
 from kvtier.server.app import CacheServer
-from kvtier.server.config import ServerConfig
+from kvtier.server.config import NamespaceConfig, ServerConfig, TenantConfig
+from kvtier.server.tenants import scope_key, untrusted_salt
 from kvtier.store import TieredStore
 from kvtier.tiers.base import EvictionListener, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier
@@ -134,6 +163,7 @@ CPU_CAPACITY = 2 << 20
 DISK_CAPACITY = 1 << 30
 FILES_PER_FAULT = 4
 SAMPLE_CHECK = 64  # keys per durable tier read back at each barrier
+TOKENS = {"honest": "soak-honest-writer-token", "mallory": "soak-hostile-writer-token"}
 
 
 # ---- blocks ---------------------------------------------------------------------
@@ -146,6 +176,7 @@ class Blocks:
         self.keys = [hashlib.sha256(b"kvtier-soak %d" % i).digest()[:16] for i in range(n)]
         self.index = {k: i for i, k in enumerate(self.keys)}
         self._blocks: dict[int, bytes] = {}
+        self._poison: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
     def block(self, i: int) -> bytes:
@@ -158,6 +189,18 @@ class Blocks:
             b = encode_block(kv, key=self.keys[i])
             with self._lock:
                 self._blocks[i] = b
+        return b
+
+    def poison(self, i: int) -> bytes:
+        """The hostile tenant's block of key ``i``: valid, bound to the key, the wrong KV."""
+        with self._lock:
+            b = self._poison.get(i)
+        if b is None:
+            g = torch.Generator().manual_seed(1_000_000 + i)
+            kv = torch.randn(2, 2, 1 + i % 64, 2, 8, generator=g).to(torch.bfloat16)
+            b = encode_block(kv, key=self.keys[i])
+            with self._lock:
+                self._poison[i] = b
         return b
 
 
@@ -220,27 +263,64 @@ class FaultyTier(Tier):
         self.inner.close()
 
 
+class AckTier(FaultyTier):
+    """A durable tier whose put calls report what they acknowledged to the ledger.
+
+    (A :class:`FaultyTier` whose fault window never opens, when ``faulty`` is ``None``.)
+    """
+
+    def __init__(self, inner: Tier, label: str, ledger: Ledger) -> None:
+        super().__init__(inner)
+        self.label = label
+        self.ledger = ledger
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        start = time.monotonic()
+        stored = super().put(items)  # raises: nothing acknowledged
+        self.ledger.acknowledge(
+            self.label, start, [k for (k, _), ok in zip(items, stored, strict=True) if ok]
+        )
+        return stored
+
+
 # ---- the system under test ----------------------------------------------------------
 
 
 class Rig:
     """The store, its tiers and the cache server, with restarts."""
 
-    def __init__(self, root: Path, metrics: StoreMetrics) -> None:
+    def __init__(self, root: Path, metrics: StoreMetrics, ledger: Ledger, hostile: bool) -> None:
         self.root = root
         self.metrics = metrics
+        self.ledger = ledger
+        self.hostile = hostile
         self.evicted: dict[str, set[bytes]] = {"disk": set(), "remote": set()}
         probe = CacheServer(self._server_config(0, 0), self._server_store_config())
         probe.start()
         self.port, self.data_port = probe.port, probe.data_port or 0
+        self.http_port = probe.http_port or 0
         self.server = probe
         self.server_restarts = 0
         self.server_counts: Counter[str] = Counter()  # of every server so far
         self.store = self._build_store()
 
-    def _server_config(self, port: int, data_port: int) -> ServerConfig:
+    def _server_config(self, port: int, data_port: int, http_port: int = 0) -> ServerConfig:
+        def tenant(name: str, **kw: Any) -> TenantConfig:
+            digest = hashlib.sha256(TOKENS[name].encode()).hexdigest()
+            return TenantConfig(name=name, token_sha256=digest, namespace="fleet", **kw)
+
         return ServerConfig(
-            host="127.0.0.1", port=port, data_port=data_port, http_port=None, threads=8
+            host="127.0.0.1",
+            port=port,
+            data_port=data_port,
+            http_port=http_port if self.hostile else None,
+            threads=16,  # a tenant may hold 8
+            open=False,
+            namespaces=[NamespaceConfig(name="fleet", trusted_writers=["honest"])],
+            tenants=[tenant("honest"), tenant("mallory", reads="any")],
+            stream_idle_timeout_s=2.0,
+            data_handshake_timeout_s=2.0,
+            http_timeout_s=2.0,
         )
 
     def _server_store_config(self) -> KvtierConfig:
@@ -254,12 +334,21 @@ class Rig:
     def _build_store(self) -> TieredStore:
         self.disk = DiskTier(self.root / "disk", DISK_CAPACITY, metrics=self.metrics)
         self.remote_inner = RemoteTier(
-            RemoteTierConfig(address=f"127.0.0.1:{self.port}", timeout_s=2.0),
+            RemoteTierConfig(
+                address=f"127.0.0.1:{self.port}",
+                token=TOKENS["honest"],
+                timeout_s=2.0,
+                breaker_reset_s=0.5,  # back soon after a fault window: the remote is exercised
+            ),
             metrics=self.metrics,
         )
-        self.remote = FaultyTier(self.remote_inner)
+        self.remote = AckTier(self.remote_inner, "remote", self.ledger)
         store = TieredStore(
-            [CpuTier(CPU_CAPACITY, metrics=self.metrics), self.disk, self.remote],
+            [
+                CpuTier(CPU_CAPACITY, metrics=self.metrics),
+                AckTier(self.disk, "disk", self.ledger),
+                self.remote,
+            ],
             metrics=self.metrics,
         )
         self.disk.set_eviction_listener(lambda k, _b: self.evicted["disk"].add(k))
@@ -277,7 +366,8 @@ class Rig:
         for _ in range(50):  # the ports may take a moment to be free again
             try:
                 self.server = CacheServer(
-                    self._server_config(self.port, self.data_port), self._server_store_config()
+                    self._server_config(self.port, self.data_port, self.http_port),
+                    self._server_store_config(),
                 ).start()
                 self.server_restarts += 1
                 return
@@ -299,6 +389,14 @@ class Rig:
             self.server_counts[f"{t}_writer_dropped"] += int(
                 m.value("kvtier_writer_dropped_total", {"tier": t})
             )
+        for family in self.server.registry.collect():  # what the server refused or cut
+            for sample in family.samples:
+                if sample.name == "kvtier_server_rejected_total":
+                    self.server_counts[f"rejected:{sample.labels['reason']}"] += int(sample.value)
+                elif sample.name == "kvtier_server_cancelled_calls_total":
+                    self.server_counts[f"cancelled:{sample.labels['reason']}"] += int(sample.value)
+                elif sample.name == "kvtier_server_withheld_blocks_total":
+                    self.server_counts[f"withheld:{sample.labels['reason']}"] += int(sample.value)
 
     def close(self) -> None:
         self.store.close()
@@ -326,17 +424,69 @@ class Ledger:
     checks: int = 0
     damaged: dict[int, str] = field(default_factory=dict)  # key -> the last disk fault on it
     tainted: set[int] = field(default_factory=set)  # damaged disk files still in place
+    poisoned: int = 0  # reads that returned the hostile tenant's block
+    put_count: Counter[int] = field(default_factory=Counter)  # honest puts per key
+    ack_count: dict[str, Counter[int]] = field(
+        default_factory=lambda: {t: Counter[int]() for t in DURABLE}
+    )
+    deleting: Counter[int] = field(default_factory=Counter)  # deletes in flight per key
+    delete_done: dict[int, float] = field(default_factory=dict)  # when the last one ended
+    read_back: int = 0  # acknowledged (tier, key) read back intact by the final check
+    unreadable: int = 0  # acknowledged (tier, key) the final check could not read (tier error)
+    final_acked: int = 0  # acknowledged (tier, key) pairs the final check read
+    latencies: list[float] = field(default_factory=list)  # honest store calls, seconds
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def read(self, source: str, ids: Sequence[int], got: Sequence[bytes | None]) -> None:
+    def read(self, source: str, ids: Sequence[int], got: Sequence[bytes | None]) -> int:
+        """Check what a read returned; how many blocks were intact."""
+        intact = 0
         for i, b in zip(ids, got, strict=True):
-            if b is not None and b != self.blocks.block(i):
-                with self.lock:
-                    self.wrong.append(f"{source}: key {i} ({len(b)} bytes)")
+            if b is None:
+                continue
+            if b == self.blocks.block(i):
+                intact += 1
+                continue
+            with self.lock:
+                self.wrong.append(f"{source}: key {i} ({len(b)} bytes)")
+                if b == self.blocks.poison(i):
+                    self.poisoned += 1
+        return intact
 
     def forget(self, tier: str, ids: set[int]) -> None:
         """A fault destroyed these keys in ``tier``: they are not acknowledged there any more."""
         self.acked[tier] -= ids
+
+    def acknowledge(self, tier: str, start: float, keys: Sequence[bytes]) -> None:
+        """``tier``'s put call, started at ``start``, returned success for ``keys``."""
+        with self.lock:
+            for k in keys:
+                i = self.blocks.index[k]
+                self.ack_count[tier][i] += 1
+                if self.deleting[i] or start <= self.delete_done.get(i, -1.0):
+                    continue  # a delete ran beside it: which came last is unknown
+                if tier == "disk" and i in self.tainted:
+                    continue  # the damaged file may be what the dedup kept
+                self.acked[tier].add(i)
+
+    def begin_delete(self, ids: Sequence[int]) -> None:
+        with self.lock:
+            for i in ids:
+                self.deleting[i] += 1
+                for t in DURABLE:
+                    self.acked[t].discard(i)
+
+    def end_delete(self, ids: Sequence[int]) -> None:
+        with self.lock:
+            now = time.monotonic()
+            for i in ids:
+                self.deleting[i] -= 1
+                self.delete_done[i] = now
+
+    def acknowledged(self) -> int:
+        """Honest puts some durable tier acknowledged (per key, the most of one tier)."""
+        return sum(
+            min(n, max(self.ack_count[t][i] for t in DURABLE)) for i, n in self.put_count.items()
+        )
 
 
 def client(
@@ -347,6 +497,7 @@ def client(
     mine = list(range(c, n, clients))
     ops = Counter[str]()
     touched = 0
+    latencies: list[float] = []
     for _ in range(n_ops):
         if stop.is_set():
             break
@@ -355,9 +506,16 @@ def client(
         ids = rng.sample(mine, k) if op in ("put", "delete") else rng.sample(range(n), k)
         keys = [ledger.blocks.keys[i] for i in ids]
         store = rig.store  # a store restart happens only at a barrier
+        if op == "put":
+            with ledger.lock:
+                ledger.put_count.update(ids)
+        elif op == "delete":
+            ledger.begin_delete(ids)
+        t0 = time.perf_counter()
         try:
             if op == "get":
                 got = store.get(keys, deadline=time.monotonic() + READ_DEADLINE_S)
+                latencies.append(time.perf_counter() - t0)
                 ledger.read("store.get", ids, got)
             elif op == "put":
                 store.put([(key, ledger.blocks.block(i)) for key, i in zip(keys, ids, strict=True)])
@@ -370,6 +528,11 @@ def client(
         except Exception as e:  # a cache failure must never reach its caller: count it
             with ledger.lock:
                 ledger.escaped[f"{op}: {type(e).__name__}"] += 1
+        finally:
+            if op == "delete":
+                ledger.end_delete(ids)
+        if op != "get":
+            latencies.append(time.perf_counter() - t0)
         if op in ("put", "delete"):
             with ledger.lock:
                 for i in ids:
@@ -381,6 +544,7 @@ def client(
     with ledger.lock:
         ledger.ops.update(ops)
         ledger.keys_touched += touched
+        ledger.latencies.extend(latencies)
 
 
 # ---- faults -------------------------------------------------------------------------
@@ -440,13 +604,10 @@ def phase_fault(kind: str, rig: Rig, rng: random.Random, phase_s: float) -> None
 
 
 def barrier(rig: Rig, ledger: Ledger) -> None:
-    """Flush everything, then fold the phase's mutations into what is acknowledged."""
+    """Flush everything (every put call returns), then account for evictions and damage."""
     rig.flush()
-    mutated, deleted = ledger.last_mutation, ledger.deleted
+    mutated = ledger.last_mutation
     ledger.last_mutation, ledger.deleted = {}, set()
-    put = sorted(i for i, op in mutated.items() if op == "put")
-    for t in DURABLE:  # a delete voids what was acknowledged before it; a later put re-earns it
-        ledger.acked[t] -= deleted
     gone = sorted(i for i, op in mutated.items() if op == "delete")
     if gone:
         ledger.deleted_but_held += sum(rig.disk.contains([ledger.blocks.keys[i] for i in gone]))
@@ -461,31 +622,41 @@ def barrier(rig: Rig, ledger: Ledger) -> None:
             ok = True
         if ok:
             ledger.tainted.discard(i)
-    for t, tier in (("disk", rig.disk), ("remote", rig.remote_inner)):
+    for t in DURABLE:  # acknowledgements came from the put calls (AckTier)
         ledger.acked[t] -= evicted
-        ids = [i for i in put if not (t == "disk" and i in ledger.tainted)]
-        try:
-            held = tier.contains([ledger.blocks.keys[i] for i in ids]) if ids else []
-        except KvtierError:
-            continue  # not acknowledged this time
-        ledger.acked[t] |= {i for i, h in zip(ids, held, strict=True) if h}
 
 
 def check_durable(rig: Rig, ledger: Ledger, sample: int | None, rng: random.Random) -> None:
-    """Reads acknowledged keys from each durable tier directly (a sample, or all)."""
+    """Reads acknowledged keys from each durable tier directly (a sample, or all: the final
+    check, which also counts what it read back)."""
     for t, tier in (("disk", rig.disk), ("remote", rig.remote_inner)):
         ids = sorted(ledger.acked[t] - ledger.lost[t])
         if sample is not None:
             ids = rng.sample(ids, min(sample, len(ids)))
+        else:
+            ledger.final_acked += len(ids)
         for start in range(0, len(ids), 256):
             part = ids[start : start + 256]
-            try:
-                got = tier.get([ledger.blocks.keys[i] for i in part])
-            except KvtierError:
-                continue  # a transient failure is not a loss; the final check reads again
+            got = _read_durable(tier, [ledger.blocks.keys[i] for i in part], final=sample is None)
+            if got is None:  # a transient failure is not a loss; the final check reads again
+                if sample is None:
+                    ledger.unreadable += len(part)
+                continue
             ledger.checks += len(part)
-            ledger.read(f"{t}.get", part, got)
+            intact = ledger.read(f"{t}.get", part, got)
+            if sample is None:
+                ledger.read_back += intact
             ledger.lost[t] |= {i for i, b in zip(part, got, strict=True) if b is None}
+
+
+def _read_durable(tier: Tier, keys: list[bytes], *, final: bool) -> list[bytes | None] | None:
+    """``tier.get(keys)``; ``None`` if it failed (the final check tries three times)."""
+    for attempt in range(3 if final else 1):
+        try:
+            return tier.get(keys)
+        except KvtierError:
+            time.sleep(0.5 * attempt)
+    return None
 
 
 # ---- the run ------------------------------------------------------------------------
@@ -513,12 +684,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     metrics = StoreMetrics()
     blocks = Blocks(args.keys)
     ledger = Ledger(blocks)
-    rig = Rig(root, metrics)
+    rig = Rig(root, metrics, ledger, args.hostile)
     rss_start = _rss_mb()
     started = time.monotonic()
     budget_s = args.minutes * 60.0
     phases = 0
     phase_s = 1.0  # measured: the last phase's duration, for timing the in-phase faults
+    hostile: Hostile | None = None
+    poison_visible = 0
+    if args.hostile:
+        hostile = Hostile(
+            rig.server.address,
+            rig.data_port,
+            rig.http_port,
+            TOKENS["mallory"],
+            blocks.keys,
+            blocks.poison,
+            "honest",
+            rng.getrandbits(32),
+        )
+        hostile.pre_poison()  # every key holds a poisoned block before the first honest put
+        hostile.start()
     try:
         while sum(ledger.ops.values()) < args.ops and time.monotonic() - started < budget_s:
             left = args.ops - sum(ledger.ops.values())
@@ -551,24 +737,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             elif disk_fault(kind, rig, ledger, rng):
                 ledger.faults[kind] += 1
             phases += 1
+        elapsed = time.monotonic() - started
+        if hostile is not None:
+            poison_visible = _poison_stored(rig, blocks, rng)
+            hostile.close()
+            ledger.faults.update(hostile.faults())
         # The end: both restarted, then every acknowledged key read back from each durable tier.
         rig.restart_server(pause_s=0.1)
         rig.restart_store()
         check_durable(rig, ledger, None, rng)
-        elapsed = time.monotonic() - started
         rig._count_server()
     finally:
+        if hostile is not None:
+            hostile.close()
         rig.close()
         shutil.rmtree(root, ignore_errors=True)
     ops = sum(ledger.ops.values())
     lost = sum(len(v) for v in ledger.lost.values())
     faults = sum(ledger.faults.values())
+    puts = sum(ledger.put_count.values())
+    acknowledged = ledger.acknowledged()
     result: dict[str, Any] = {
         "ops": ops,
-        "wrong_bytes_returned": len(ledger.wrong),
+        "puts": puts,
+        "acknowledged": acknowledged,
+        "read_back": ledger.read_back,
         "lost_acknowledged_writes": lost,
+        "wrong_bytes_returned": len(ledger.wrong),
+        "poisoned_blocks_served": ledger.poisoned,
         "faults_injected": faults,
+        "honest_p99_ms": _p99_ms(ledger.latencies),
         "errors_by_kind": errors_by_kind(metrics, ledger),
+        "hostile": args.hostile,
+        "acknowledged_by_tier": {t: sum(c.values()) for t, c in ledger.ack_count.items()},
+        "final_check": {
+            "acknowledged_pairs": ledger.final_acked,
+            "read_back": ledger.read_back,
+            "lost": lost,
+            "unreadable": ledger.unreadable,
+        },
+        "poison_stored_of_256_keys": poison_visible,
+        "hostile_counts": dict(sorted(hostile.counts.items())) if hostile is not None else {},
         "faults_by_kind": dict(sorted(ledger.faults.items())),
         "ops_by_kind": dict(sorted(ledger.ops.items())),
         "keys_touched": ledger.keys_touched,
@@ -577,7 +786,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "phases": phases,
         "clients": args.clients,
         "keys": args.keys,
-        "acknowledged": {t: len(v) for t, v in ledger.acked.items()},
+        "acknowledged_at_end": {t: len(v) for t, v in ledger.acked.items()},
         "lost_by_tier": {t: len(v) for t, v in ledger.lost.items()},
         "durability_reads": ledger.checks,
         "evictions": {"disk": len(rig.evicted["disk"])},
@@ -596,12 +805,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["bars"] = {
         "wrong_bytes_returned == 0": result["wrong_bytes_returned"] == 0,
+        "poisoned_blocks_served == 0": ledger.poisoned == 0,
         "lost_acknowledged_writes == 0": lost == 0,
+        "acknowledged >= 0.9 * puts": acknowledged >= 0.9 * puts,
         "faults_injected >= 3": faults >= 3,
         f"ops >= {min(10000, args.ops)}": ops >= min(10000, args.ops),
         "no escaped exception": not ledger.escaped,
     }
     return result
+
+
+def _poison_stored(rig: Rig, blocks: Blocks, rng: random.Random, sample: int = 256) -> int:
+    """Of ``sample`` keys, how many poisoned blocks the server holds (in the untrusted slot)."""
+    ids = rng.sample(range(len(blocks.keys)), min(sample, len(blocks.keys)))
+    slot = untrusted_salt("fleet")
+    keys = [blocks.keys[i] for i in ids]
+    got = rig.server.store.get([scope_key(slot, k) for k in keys], bound_to=keys)
+    return sum(
+        b is not None and bytes(unstamped(b)) == blocks.poison(i)
+        for i, b in zip(ids, got, strict=True)
+    )
+
+
+def _p99_ms(seconds: list[float]) -> float:
+    if not seconds:
+        return float("nan")
+    ordered = sorted(seconds)
+    return round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000, 2)
 
 
 def _rss_mb() -> float:
@@ -624,6 +854,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, default=2000, help="size of the key space")
     ap.add_argument("--phase-ops", type=int, default=None, help="operations between barriers")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--hostile",
+        action="store_true",
+        help="a hostile tenant poisons keys and stalls streams (bench/soak_hostile.py)",
+    )
     args = ap.parse_args(argv)
     if args.ops is None:
         args.ops = 12_000 if args.quick else 10**9
@@ -645,9 +880,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ["phases", r["phases"]],
                 ["faults injected", r["faults_injected"]],
                 *[[f"  {k}", v] for k, v in r["faults_by_kind"].items()],
+                ["puts (honest)", r["puts"]],
+                ["acknowledged", r["acknowledged"]],
+                *[[f"  acknowledged by {t}", v] for t, v in r["acknowledged_by_tier"].items()],
+                ["read back (final check)", r["read_back"]],
                 ["wrong bytes returned", r["wrong_bytes_returned"]],
+                ["poisoned blocks served", r["poisoned_blocks_served"]],
                 ["lost acknowledged writes", r["lost_acknowledged_writes"]],
-                *[[f"  acknowledged by {t}", v] for t, v in r["acknowledged"].items()],
+                ["honest p99 (ms)", r["honest_p99_ms"]],
                 ["durability reads", r["durability_reads"]],
                 *[[f"error {k}", v] for k, v in r["errors_by_kind"].items()],
                 ["RSS MB start / end", f"{r['rss_mb']['start']} / {r['rss_mb']['end']}"],

@@ -141,6 +141,10 @@ class TieredStore:
         self.metrics = metrics if metrics is not None else StoreMetrics()
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._closed = False
+        self.put_wait_s = 0.0
+        """How long :meth:`put` waits for room in a background writer's queue before that
+        tier's write is dropped (0: never waits; the cache server waits, so a flood of puts
+        slows its senders instead of dropping writes it has acknowledged)."""
         self.block_check: Callable[[bytes, bytes], None] | None = None
         """Called with ``(key, block)`` for every block read from a tier that does not
         verify its reads, after the checksum; a :class:`~kvtier.errors.CorruptBlockError`
@@ -338,9 +342,10 @@ class TieredStore:
             range(len(self.tiers)) if self.write_policy is WritePolicy.WRITE_THROUGH else range(1)
         )
         for ti in targets:
-            if ti in self._writers:
+            writer = self._writers.get(ti)
+            if writer is not None:
                 for key, block in items:
-                    self._write_to(ti, key, block)
+                    writer.submit(key, block, wait=self.put_wait_s)
             else:
                 tier = self.tiers[ti]
                 try:

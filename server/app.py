@@ -90,6 +90,7 @@ class CacheServer:
             self.metrics,
             provenance_secret(config.provenance_key_file),
         )
+        self.store.put_wait_s = config.store_put_wait_s
         shared = [t.name for t in self.store.tiers if not t.verifies_reads]
         if shared:
             # NOTE: blocks read back from storage others can write must carry our stamp;
@@ -246,8 +247,8 @@ class CacheServer:
             grpc_stopped = self._grpc.stop(grace) if self._grpc is not None else None
             if self._data is not None:
                 self._data.stop(grace)  # in parallel with gRPC's grace
-            if grpc_stopped is not None:
-                grpc_stopped.wait()
+            if grpc_stopped is not None and not grpc_stopped.wait(grace + 10.0):
+                log.warning("gRPC handlers still running %.0f s after the grace period", 10.0)
             if not self.service.wait_idle(timeout=max(grace, 1.0)):
                 log.warning("calls still running after the grace period; closing the store anyway")
             self.history.close()

@@ -273,6 +273,13 @@ class ServerConfig(_Strict):
     tenant_max_data_connections: int | None = Field(
         None, ge=1, description="data-plane connections of one tenant; null: a quarter of the cap"
     )
+    store_put_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="a stored block waits this long for room in a lower tier's write queue "
+        "before that write is dropped: a flood of puts slows its senders instead of losing "
+        "blocks the server acknowledged",
+    )
     http_timeout_s: float = Field(
         5.0, gt=0, description="an HTTP request must arrive (and its answer be taken) within this"
     )

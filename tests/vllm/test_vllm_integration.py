@@ -51,6 +51,10 @@ from kvtier.engine.fetch import default_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 MAX_TOKENS = 12
+EXACT_LOADS = {"verify_fraction": 0}
+"""These tests count loaded tokens exactly: no sampled verification (on by default with a
+remote tier; tested in tests/connectors/test_vllm_verify.py)."""
+
 PROMPT_TOKENS = 700  # two 256-token chunks and a tail
 
 
@@ -103,7 +107,10 @@ def cold(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with KvtierServe(work / "serve") as serve:
         port = free_port()
         config = write_kvtier_config(
-            work / "a.yaml", [disk_tier(disk), remote_tier(serve.address)], metrics_port=port
+            work / "a.yaml",
+            [disk_tier(disk), remote_tier(serve.address)],
+            metrics_port=port,
+            connector=EXACT_LOADS,
         )
         a = kvtier_vllm(
             config,
@@ -174,7 +181,10 @@ def second(
     work = tmp_path_factory.mktemp("vllm-kvtier-b")
     port = free_port()
     config = write_kvtier_config(
-        work / "b.yaml", [remote_tier(cold.serve.address), disk_tier(cold.disk)], metrics_port=port
+        work / "b.yaml",
+        [remote_tier(cold.serve.address), disk_tier(cold.disk)],
+        metrics_port=port,
+        connector=EXACT_LOADS,
     )
     b = kvtier_vllm(
         config,
