@@ -76,6 +76,9 @@ class LatencyTier(Tier):
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.inner.delete(keys)
 
+    def report_bad(self, keys: Sequence[bytes]) -> int:
+        return self.inner.report_bad(keys)  # a remote tier inside tells its server why
+
     def usage(self) -> TierUsage:
         return self.inner.usage()
 
