@@ -46,7 +46,9 @@ on the next replica (``replica_retries``: a dead or paused master's keys are
 read from the replica) and never retries a write; each round trip is
 retried by a :class:`~kvtier.retry.Retry` for transient errors only.
 Repeated failed calls open a :class:`~kvtier.breaker.CircuitBreaker`: the
-tier is then skipped without network I/O until the cool-down ends. The
+tier is then skipped without network I/O until the cool-down ends. Reads
+and writes have a breaker each, so saves failing on a lost node's
+partitions never stop the loads its replica serves. The
 error mapping is in :mod:`kvtier.tiers.aerospike_errors`.
 
 Deadlines (``get`` / ``contains`` / ``prefix_length`` with ``deadline=``):
@@ -218,11 +220,22 @@ class AerospikeTier(Tier):
             aerospike_metrics = AerospikeMetrics(metrics.registry)
         self._stats = StatsRecorder(self.name, aerospike_metrics)
         self._clock = clock
+        # NOTE: reads and writes have a breaker each. With a node lost, writes whose master
+        # it was fail until the cluster re-forms while reads are served by the replica: one
+        # breaker opened by the failed saves would turn every load into a recompute.
+        self._not_closed: set[str] = set()  # "reads" / "writes" whose breaker is not closed
+        self._lock_breakers = threading.Lock()
         self._breaker = CircuitBreaker(
             config.breaker_threshold,
             config.breaker_cooldown_s,
             clock=clock,
-            on_state_change=self._on_breaker_change,
+            on_state_change=lambda old, new: self._on_breaker_change("reads", new),
+        )
+        self._write_breaker = CircuitBreaker(
+            config.breaker_threshold,
+            config.breaker_cooldown_s,
+            clock=clock,
+            on_state_change=lambda old, new: self._on_breaker_change("writes", new),
         )
         self._retry = Retry(
             ExponentialBackoff(
@@ -274,6 +287,7 @@ class AerospikeTier(Tier):
             )
             self._stats.failure("connect")
             self._breaker.trip()
+            self._write_breaker.trip()
         except ConfigError as e:
             log.error("%s", e)
             self._stats.failure("config")
@@ -311,7 +325,13 @@ class AerospikeTier(Tier):
 
     @property
     def breaker(self) -> CircuitBreaker:
+        """The breaker of reads (``get``, ``contains``, ``prefix_length``)."""
         return self._breaker
+
+    @property
+    def write_breaker(self) -> CircuitBreaker:
+        """The breaker of writes (``put``, ``delete``)."""
+        return self._write_breaker
 
     def stats(self) -> AerospikeStats:
         """The tier's own counters (round trips, retries, drops ...)."""
@@ -350,13 +370,13 @@ class AerospikeTier(Tier):
         """
         if not items:
             return []
-        return self._guard(lambda client: self._put(client, list(items)))
+        return self._guard(lambda client: self._put(client, list(items)), write=True)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Reads the manifests (one batch), then removes records and segments (one batch)."""
         if not keys:
             return 0
-        return self._guard(lambda client: self._delete(client, list(keys)))
+        return self._guard(lambda client: self._delete(client, list(keys)), write=True)
 
     def usage(self) -> TierUsage:
         """The set's bytes (``sets/<ns>/<set>``) and the namespace's capacity, summed over nodes.
@@ -402,50 +422,60 @@ class AerospikeTier(Tier):
 
     # -- guard: breaker, connection, error accounting -------------------------------
 
-    def _guard(self, fn: Callable[[Any], T], deadline: float | None = None) -> T:
+    def _guard(
+        self, fn: Callable[[Any], T], deadline: float | None = None, *, write: bool = False
+    ) -> T:
         if self._closed:
             raise TierUnavailableError(f"aerospike tier {self.name!r} is closed")
         if _expired(deadline):
             self._stats.failure("deadline")
             raise DeadlineExceededError(f"aerospike tier {self.name!r}: the deadline has passed")
-        if not self._breaker.allow():
+        breaker = self._write_breaker if write else self._breaker
+        if not breaker.allow():
             self._stats.failure("skipped")
+            what = "writes" if write else "reads"
             raise TierUnavailableError(
-                f"aerospike tier {self.name!r} skipped for {self._breaker.retry_after():.1f}s after repeated failures"
+                f"aerospike tier {self.name!r}: {what} skipped for {breaker.retry_after():.1f}s after repeated failures"
             )
         try:
             self._connect_by(deadline)
             result = fn(self._client)
         except DeadlineExceededError:
-            self._breaker.release()  # the caller ran out of time: no verdict on the cluster
+            breaker.release()  # the caller ran out of time: no verdict on the cluster
             self._stats.failure("deadline")
             raise
         except TransientError:
-            self._breaker.record_failure()
+            breaker.record_failure()
             self._stats.failure("transient")
             raise
         except ConfigError:
-            self._breaker.record_success()  # the cluster answered
+            breaker.record_success()  # the cluster answered
             self._stats.failure("config")
             raise
         except BaseException:
-            self._breaker.release()
+            breaker.release()
             raise
-        self._breaker.record_success()
+        breaker.record_success()
         return result
 
-    def _on_breaker_change(self, old: BreakerState, new: BreakerState) -> None:
-        self._stats.breaker_changed(
-            opened=new is BreakerState.OPEN, is_open=new is not BreakerState.CLOSED
-        )
+    def _on_breaker_change(self, path: str, new: BreakerState) -> None:
+        # NOTE: called under the changing breaker's lock: never ask a breaker its state here.
+        with self._lock_breakers:
+            if new is BreakerState.CLOSED:
+                self._not_closed.discard(path)
+            else:
+                self._not_closed.add(path)
+            is_open = bool(self._not_closed)
+        self._stats.breaker_changed(opened=new is BreakerState.OPEN, is_open=is_open)
         if new is BreakerState.OPEN:
             log.warning(
-                "aerospike tier %r: circuit open, skipping for %.1fs",
+                "aerospike tier %r: circuit open for %s, skipping them for %.1fs",
                 self.name,
+                path,
                 self.config.breaker_cooldown_s,
             )
         elif new is BreakerState.CLOSED:
-            log.info("aerospike tier %r: circuit closed, serving again", self.name)
+            log.info("aerospike tier %r: circuit closed for %s, serving again", self.name, path)
 
     def _round_trip(
         self,

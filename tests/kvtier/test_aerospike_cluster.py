@@ -209,11 +209,15 @@ def key_on(partitions: set[int], target: Target) -> bytes:
 
 def test_the_cluster_runs_the_deployed_namespace(cluster: AerospikeCluster) -> None:
     """docker-compose runs deploy/aerospike/aerospike.conf; every node here reports its settings."""
-    expected = deploy_settings().expected_info()
+    deployed = deploy_settings()
+    expected = deployed.expected_info()
     assert expected["replication-factor"] == "2"
+    assert deployed.service  # e.g. batch-max-buffers-per-queue
     for i in range(cluster.nodes):
         live = cluster.namespace_info(i)
         assert {k: live.get(k) for k in expected} == expected
+        service = cluster.service_config(i)
+        assert {k: service.get(k) for k in deployed.service} == deployed.service
         assert live["effective_replication_factor"] == "2"
         assert cluster.info(i, "cluster-name") == deploy_settings().cluster_name
         assert cluster.cluster_size(i) == cluster.nodes
@@ -324,16 +328,18 @@ def test_a_node_paused_longer_than_the_tier_timeouts(
         cluster.pause(1)
         # First (the cluster drops the node after ~1.5 s, then its partitions move): a write
         # to the paused master fails by the tier's timeout and, with a threshold of 1, opens
-        # the breaker; the next call is skipped without network I/O.
+        # the breaker of writes; the next write is skipped without network I/O ...
         with pytest.raises(TransientError):
             probe.put([(key_on(on_paused, target), b"w" * 1000)])
-        assert probe.breaker.state is BreakerState.OPEN
+        assert probe.write_breaker.state is BreakerState.OPEN
         trips = probe.stats().round_trips
         with pytest.raises(TierUnavailableError):
-            probe.get([mine])
+            probe.put([(os.urandom(16), b"w" * 1000)])
         assert probe.stats().round_trips == trips and probe.stats().skipped_calls == 1
-        # Reads fail over to the replica within one attempt: the right bytes, by the deadline.
-        assert check.get([mine], deadline=time.monotonic() + 0.5) == [b"m" * 1000]
+        # ... while reads go on: they fail over to the replica within one attempt, the right
+        # bytes by the deadline, and their breaker stays closed.
+        assert probe.get([mine], deadline=time.monotonic() + 0.5) == [b"m" * 1000]
+        assert probe.breaker.state is BreakerState.CLOSED
         assert acks.check(check) == (0, 0)
         # Engines keep answering: loads come from the replica or are recomputed, saves that
         # cannot land are dropped and counted.
@@ -345,9 +351,9 @@ def test_a_node_paused_longer_than_the_tier_timeouts(
 
         cluster.resume(1)
         cluster.wait_stable(cluster.nodes)  # rejoined (if it was dropped), migrations done
-        clock.now += 1  # the cool-down is over: the next call is the probe, and it succeeds
-        assert probe.get([mine]) == [b"m" * 1000]
-        assert probe.breaker.state is BreakerState.CLOSED
+        clock.now += 1  # the cool-down is over: the next write is the probe, and it lands
+        assert probe.put([(key_on(on_paused, target), b"w" * 1000)]) == [True]
+        assert probe.write_breaker.state is BreakerState.CLOSED
         assert acks.check(check) == (0, 0)
         assert [o.token_ids for o in reader.generate(stored, GREEDY)] == cold[:3]
     finally:

@@ -282,6 +282,8 @@ def test_legacy_servers_report_write_block_size() -> None:
 
 @pytest.mark.aerospike_emulator(DOWN)
 def test_breaker_opens_skips_without_io_and_recovers() -> None:
+    """Reads and writes have a breaker each: failed reads open the read one, failed writes
+    the write one (a lost node fails only the writes its replica cannot take)."""
     clock = FakeClock()
     with AerospikeTestServer() as srv:
         tier = make_tier(srv, clock, breaker_threshold=3, breaker_cooldown_s=10, max_retries=1)
@@ -293,21 +295,29 @@ def test_breaker_opens_skips_without_io_and_recovers() -> None:
                 tier.get([key])
             assert not isinstance(info.value, TierUnavailableError)
         assert tier.breaker.state is BreakerState.OPEN
+        assert tier.write_breaker.state is BreakerState.CLOSED  # no write failed yet
+        for _ in range(3):
+            with pytest.raises(TransientError) as info:
+                tier.put([(key, b"f")])
+            assert not isinstance(info.value, TierUnavailableError)
+        assert tier.write_breaker.state is BreakerState.OPEN
         trips = tier.stats().round_trips
         srv.reset_counts()
         for _ in range(5):
-            with pytest.raises(TierUnavailableError):
+            with pytest.raises(TierUnavailableError, match="reads"):
                 tier.get([key])
-            with pytest.raises(TierUnavailableError):
+            with pytest.raises(TierUnavailableError, match="writes"):
                 tier.put([(key, b"f")])
         assert tier.stats().round_trips == trips  # skipped without network I/O
         assert tier.stats().skipped_calls == 10
         srv.start()
         assert srv.message_count() == 0
         clock.now += 10
-        assert tier.get([key]) == [b"f" * 100]  # the probe
+        assert tier.get([key]) == [b"f" * 100]  # the probe of reads
         assert tier.breaker.state is BreakerState.CLOSED
-        assert tier.stats().breaker_opens == 1
+        assert tier.put([(os.urandom(16), b"g")]) == [True]  # the probe of writes
+        assert tier.write_breaker.state is BreakerState.CLOSED
+        assert tier.stats().breaker_opens == 2
         tier.close()
 
 

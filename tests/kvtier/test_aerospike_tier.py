@@ -98,7 +98,10 @@ def test_32mib_encoded_block_round_trips(cap: int) -> None:
     target = make_target(max_record_size=cap)
     tier = make_tier(target)
     try:
+        before = tier.stats().round_trips
         assert tier.put([(key, block)]) == [True]
+        # The dedup check, every segment in ONE batch write, the manifest.
+        assert tier.stats().round_trips - before == 3
         before = tier.stats().round_trips
         rows_before = (
             target.server.counts["batch_rows"] if isinstance(target, InProcessTarget) else 0

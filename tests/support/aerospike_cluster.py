@@ -11,7 +11,8 @@ size, and putting every node back (:meth:`AerospikeCluster.heal`).
 The namespace is configured exactly as ``deploy/aerospike/aerospike.conf``
 (the file docker-compose runs): :func:`deploy_settings` reads it; the
 settings ``start.sh`` takes are passed to it, every other namespace setting
-is applied with ``set-config`` on every node (again after a restart).
+and the service settings it does not write are applied with ``set-config``
+on every node (again after a restart).
 ``tests/kvtier/test_aerospike_cluster.py`` checks that each setting of the
 file is what every node reports.
 
@@ -49,6 +50,8 @@ _START_OPTIONS = {
     "nsup-period": "--nsup-period",
     "storage-engine.data-size": "--data-size",
 }
+# Service settings start.sh writes itself (proto-fd-max: to fit the open-files limit).
+_START_SERVICE = ("cluster-name", "proto-fd-max", "node-id", "work-directory")
 _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3}
 
 # Stops the nodes of a run dir once the process that started them is gone.
@@ -90,6 +93,8 @@ class DeploySettings:
         settings: Every namespace setting as the server's ``namespace/<ns>``
             info names it (``storage-engine.`` prefix for the storage
             section), value as written in the file.
+        service: The service settings start.sh does not write itself
+            (``get-config:context=service`` names them so).
     """
 
     cluster_name: str
@@ -97,6 +102,7 @@ class DeploySettings:
     hb_timeout: int
     namespace: str
     settings: dict[str, str] = field(default_factory=dict)
+    service: dict[str, str] = field(default_factory=dict)
 
     def expected_info(self) -> dict[str, str]:
         """Each setting as ``namespace/<ns>`` reports it (sizes in bytes)."""
@@ -135,12 +141,18 @@ def deploy_settings(path: Path = DEPLOY_CONF) -> DeploySettings:
     settings = {
         k.removeprefix("namespace."): v for k, v in values.items() if k.startswith("namespace.")
     }
+    service = {
+        k.removeprefix("service."): v
+        for k, v in values.items()
+        if k.startswith("service.") and k.removeprefix("service.") not in _START_SERVICE
+    }
     return DeploySettings(
         cluster_name=values["service.cluster-name"],
         hb_interval_ms=int(values["network.heartbeat.interval"]),
         hb_timeout=int(values["network.heartbeat.timeout"]),
         namespace=namespace,
         settings=settings,
+        service=service,
     )
 
 
@@ -201,6 +213,7 @@ class AerospikeCluster:
             base.hb_timeout,
             base.namespace,
             {**base.settings, **(overrides or {})},
+            base.service,
         )
         self.nodes = nodes
         self.namespace = self.settings.namespace
@@ -291,10 +304,11 @@ class AerospikeCluster:
         return self.seeds[0]
 
     def describe(self) -> str:
-        rf = self.settings.settings.get("replication-factor", "?")
+        rf = int(self.settings.settings.get("replication-factor", "1"))
+        effective = f" (effective {self.nodes})" if rf > self.nodes else ""
         return (
             f"Aerospike Community Edition {self.build}, {self.nodes} node(s) on 127.0.0.1, "
-            f"namespace {self.namespace} replication-factor {rf}"
+            f"namespace {self.namespace} replication-factor {rf}{effective}"
         )
 
     # -- nodes ---------------------------------------------------------------------------
@@ -395,8 +409,15 @@ class AerospikeCluster:
 
     # -- settings ------------------------------------------------------------------------
 
+    def service_config(self, i: int) -> dict[str, str]:
+        return parse_pairs(self.info(i, "get-config:context=service"))
+
     def _apply_settings(self, i: int) -> None:
-        """``set-config`` of every namespace setting start.sh does not take, on node ``i``."""
+        """``set-config`` of every setting start.sh does not take, on node ``i``."""
+        for name, value in self.settings.service.items():
+            reply = self.info(i, f"set-config:context=service;{name}={value}")
+            if reply != "ok":
+                raise ClusterError(f"node {i}: set-config service {name}={value}: {reply}")
         for key, value in self.settings.settings.items():
             if key in _START_OPTIONS or key == "storage-engine":
                 continue
