@@ -79,10 +79,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import aerospike
@@ -115,8 +116,11 @@ from kvtier.tiers.aerospike_layout import (
     BIN_BLOCK,
     BIN_MANIFEST,
     BIN_SEGMENT,
+    NONCE_BYTES,
     Manifest,
     ManifestError,
+    canonical_nonce,
+    segment_key,
 )
 from kvtier.tiers.aerospike_metrics import AerospikeMetrics, AerospikeStats, StatsRecorder
 from kvtier.tiers.aerospike_namespace import (
@@ -248,6 +252,7 @@ class AerospikeTier(Tier):
         )
         self._lock = threading.Lock()
         self._connecting: _ConnectAttempt | None = None
+        self._segment_guess = 0  # segments of the last manifest seen: what a get speculates
         self._connecting_lock = threading.Lock()
         self._client: Any = None
         self._limits: RecordLimits | None = None
@@ -693,11 +698,25 @@ class AerospikeTier(Tier):
 
     def _get(self, client: Any, keys: list[bytes], deadline: float | None) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
-        manifests: list[tuple[int, Manifest, int]] = []
+        manifests: list[tuple[int, Manifest, int]] = []  # every manifest found
+        pending: list[tuple[int, Manifest, int]] = []  # ... whose segments are still to read
         broken: list[tuple[bytes, int, Manifest | None]] = []
-        for i, (code, record) in enumerate(
-            self._read_rows(client, "get", keys, None, self._read_policy, deadline)
-        ):
+        guess = self._segment_guess
+        spec = self._speculated(len(keys), guess)
+        # NOTE: for the first `spec` keys the batch also asks for the segments a writer
+        # with the canonical nonce made (as many as the last manifest this tier saw):
+        # a block written that way comes back in this one round trip.
+        read_keys: list[bytes] = []
+        at: list[int] = []
+        for i, key in enumerate(keys):
+            at.append(len(read_keys))
+            read_keys.append(key)
+            if i < spec:
+                nonce = canonical_nonce(key)
+                read_keys += [segment_key(key, nonce, j) for j in range(guess)]
+        rows = self._read_rows(client, "get", read_keys, None, self._read_policy, deadline)
+        for i, key in enumerate(keys):
+            code, record = rows[at[i]]
             if code == NOT_FOUND:
                 continue
             if code != OK:
@@ -710,19 +729,38 @@ class AerospikeTier(Tier):
                 out[i] = bytes(bins[BIN_BLOCK])
             elif BIN_MANIFEST in bins:
                 try:
-                    manifests.append((i, Manifest.decode(bins[BIN_MANIFEST]), gen))
+                    m = Manifest.decode(bins[BIN_MANIFEST])
                 except ManifestError as e:
                     log.warning("aerospike tier %r: bad manifest (%s); deleting it", self.name, e)
-                    broken.append((keys[i], gen, None))
+                    broken.append((key, gen, None))
+                    continue
+                manifests.append((i, m, gen))
+                self._segment_guess = m.n_segments
+                if i < spec and m.nonce == canonical_nonce(key) and m.n_segments <= guess:
+                    start = at[i] + 1
+                    parts = rows[start : start + m.n_segments]
+                    self._take_segments(key, i, m, gen, parts, out, broken)
+                else:
+                    pending.append((i, m, gen))
             else:
-                broken.append((keys[i], gen, None))
-        if manifests:
-            self._read_segments(client, keys, manifests, out, broken, deadline)
+                broken.append((key, gen, None))
+        if pending:
+            self._read_segments(client, keys, pending, out, broken, deadline)
         if broken:
             self._cleanup_broken(client, broken, deadline)
         if self.config.recency == "touch":
             self._touch_hits(client, keys, out, manifests, deadline)
         return out
+
+    def _speculated(self, n_keys: int, guess: int) -> int:
+        """How many leading keys of a get also ask for ``guess`` canonical segments: as many
+        as one batch of ``max_batch_bytes`` and ``max_batch_keys`` holds."""
+        limits = self._limits
+        if not guess or limits is None:
+            return 0
+        by_bytes = self.config.max_batch_bytes // (guess * limits.segment_size)
+        by_rows = self.config.max_batch_keys // (guess + 1)
+        return min(n_keys, by_bytes, by_rows)
 
     def _read_segments(
         self,
@@ -755,31 +793,48 @@ class AerospikeTier(Tier):
             )
             pos = 0
             for i, m, gen in group:
-                part_rows = results[pos : pos + m.n_segments]
+                parts = results[pos : pos + m.n_segments]
                 pos += m.n_segments
-                parts: list[bytes] = []
-                missing = failed = False
-                for code, record in part_rows:
-                    if code == OK and record[2] and BIN_SEGMENT in record[2]:
-                        parts.append(bytes(record[2][BIN_SEGMENT]))
-                    elif code in (OK, NOT_FOUND):
-                        missing = True
-                    else:
-                        self._row_failed(code)
-                        failed = True
-                if failed:
-                    continue  # a transient row failure: a miss, but the manifest may be fine
-                block = None if missing else m.assemble(parts)
-                if block is None:
-                    log.warning(
-                        "aerospike tier %r: manifest with %s segments; deleting it",
-                        self.name,
-                        "missing" if missing else "wrong",
-                    )
-                    broken.append((keys[i], gen, m))
-                    continue
-                out[i] = block
-                self._stats.segmented("get")
+                self._take_segments(keys[i], i, m, gen, parts, out, broken)
+
+    def _take_segments(
+        self,
+        key: bytes,
+        i: int,
+        m: Manifest,
+        gen: int,
+        part_rows: list[tuple[int, Any]],
+        out: list[bytes | None],
+        broken: list[tuple[bytes, int, Manifest | None]],
+    ) -> None:
+        """The block of manifest ``m`` from its segments' rows into ``out[i]``, or a miss.
+
+        Missing or wrong segments make the manifest broken (cleaned up); a transient
+        row failure is a miss without cleanup (the manifest may be fine).
+        """
+        parts: list[bytes] = []
+        missing = failed = False
+        for code, record in part_rows:
+            if code == OK and record[2] and BIN_SEGMENT in record[2]:
+                parts.append(bytes(record[2][BIN_SEGMENT]))
+            elif code in (OK, NOT_FOUND):
+                missing = True
+            else:
+                self._row_failed(code)
+                failed = True
+        if failed:
+            return
+        block = None if missing else m.assemble(parts)
+        if block is None:
+            log.warning(
+                "aerospike tier %r: manifest with %s segments; deleting it",
+                self.name,
+                "missing" if missing else "wrong",
+            )
+            broken.append((key, gen, m))
+            return
+        out[i] = block
+        self._stats.segmented("get")
 
     def _cleanup_broken(
         self,
@@ -886,7 +941,6 @@ class AerospikeTier(Tier):
         assert limits is not None
         held = [False] * len(items)
         dropped: set[int] = set()
-        too_big = False
         segmented: dict[int, Manifest] = {}
         rows: list[_Row] = []
         skip = self._held_complete(client, items) if self.config.skip_existing else set()
@@ -896,30 +950,26 @@ class AerospikeTier(Tier):
             elif len(block) <= limits.segment_size:
                 rows.append(_Row(i, key, BIN_BLOCK, block, create_only=True))
             else:
-                m = Manifest.for_block(block, limits.segment_size)
+                m = Manifest.for_block(block, limits.segment_size, nonce=canonical_nonce(key))
                 segmented[i] = m
-                for seg_key, part in zip(m.segment_keys(key), m.split(block), strict=True):
-                    rows.append(_Row(i, seg_key, BIN_SEGMENT, part, create_only=False))
+                rows += self._segment_rows(i, key, block, m, create_only=True)
 
-        # Phase 1: single records and segments.
-        codes = self._write_batch(client, "put", [self._write_record(r) for r in rows])
+        # Phase 1: single records and segments (create-only under the canonical nonce).
         written: dict[int, list[bytes]] = {i: [] for i in segmented}
         segments_ok = dict.fromkeys(segmented, True)
-        for row, code in zip(rows, codes, strict=True):
-            if code == OK or (code == EXISTS and row.bin == BIN_BLOCK):
-                if row.bin == BIN_BLOCK:
-                    held[row.index] = True
-                else:
-                    written[row.index].append(row.key)
-                continue
-            if row.bin == BIN_SEGMENT:
-                segments_ok[row.index] = False
-            if code == STOP_WRITES:
-                dropped.add(row.index)
-            elif code == TOO_BIG:
-                too_big = True
-            else:
-                self._row_failed(code)
+        taken, too_big = self._write_rows(client, rows, held, written, segments_ok, dropped)
+        if taken:
+            # Another writer's (or a dead writer's) segments hold some canonical keys: remove
+            # the ones this put created, write again under random nonces no one else can name.
+            self._remove_orphans(client, [k for i in taken for k in written[i]])
+            rows = []
+            for i in sorted(taken):
+                key, block = items[i]
+                segmented[i] = replace(segmented[i], nonce=os.urandom(NONCE_BYTES))
+                written[i], segments_ok[i] = [], True
+                rows += self._segment_rows(i, key, block, segmented[i], create_only=False)
+            _, again_too_big = self._write_rows(client, rows, held, written, segments_ok, dropped)
+            too_big = too_big or again_too_big
 
         # Phase 2: the manifests of blocks whose segments all landed (the commit point).
         orphans = [k for i, ok in segments_ok.items() if not ok for k in written[i]]
@@ -939,6 +989,7 @@ class AerospikeTier(Tier):
             for row, code in zip(mrows, mcodes, strict=True):
                 if code == OK:
                     held[row.index] = True
+                    self._segment_guess = segmented[row.index].n_segments
                     self._stats.segmented("put")
                 elif code == EXISTS:
                     held[row.index] = True
@@ -952,7 +1003,10 @@ class AerospikeTier(Tier):
                 else:
                     self._row_failed(code)  # in doubt: leave the segments to their TTL
             if raced:
-                orphans += self._lost_races(client, items, segmented, written, raced)
+                lost, unheld = self._lost_races(client, items, segmented, written, raced)
+                orphans += lost
+                for i in unheld:
+                    held[i] = False
         if orphans:
             self._remove_orphans(client, orphans)
         if dropped:
@@ -961,6 +1015,55 @@ class AerospikeTier(Tier):
             self._relearn_limits()
             raise error_for(TOO_BIG, "record too big", namespace=self.config.namespace)
         return held
+
+    @staticmethod
+    def _segment_rows(
+        i: int, key: bytes, block: bytes, m: Manifest, create_only: bool
+    ) -> list[_Row]:
+        return [
+            _Row(i, seg_key, BIN_SEGMENT, part, create_only=create_only)
+            for seg_key, part in zip(m.segment_keys(key), m.split(block), strict=True)
+        ]
+
+    def _write_rows(
+        self,
+        client: Any,
+        rows: list[_Row],
+        held: list[bool],
+        written: dict[int, list[bytes]],
+        segments_ok: dict[int, bool],
+        dropped: set[int],
+    ) -> tuple[set[int], bool]:
+        """One batch write of single records and segments, its results into ``held``,
+        ``written``, ``segments_ok`` and ``dropped``.
+
+        Returns the items a segment of which already existed (canonical keys taken) and
+        whether a record was too big.
+        """
+        if not rows:
+            return set(), False
+        codes = self._write_batch(client, "put", [self._write_record(r) for r in rows])
+        taken: set[int] = set()
+        too_big = False
+        for row, code in zip(rows, codes, strict=True):
+            if code == OK or (code == EXISTS and row.bin == BIN_BLOCK):
+                if row.bin == BIN_BLOCK:
+                    held[row.index] = True
+                else:
+                    written[row.index].append(row.key)
+                continue
+            if row.bin == BIN_SEGMENT:
+                if code == EXISTS:
+                    taken.add(row.index)
+                    continue
+                segments_ok[row.index] = False
+            if code == STOP_WRITES:
+                dropped.add(row.index)
+            elif code == TOO_BIG:
+                too_big = True
+            else:
+                self._row_failed(code)
+        return taken, too_big
 
     def _held_complete(self, client: Any, items: list[tuple[bytes, bytes]]) -> set[int]:
         """Indices of ``items`` the namespace already holds complete (see the module docstring).
@@ -1015,11 +1118,16 @@ class AerospikeTier(Tier):
         segmented: dict[int, Manifest],
         written: dict[int, list[bytes]],
         raced: list[int],
-    ) -> list[bytes]:
-        """Segments of writes whose manifest lost to another writer's (another nonce) — safe to delete.
+    ) -> tuple[list[bytes], list[int]]:
+        """After "record exists" on manifests: the segments safe to delete, and the items
+        the namespace does not hold after all.
 
-        A manifest that carries our own nonce is ours (a retried, in-doubt
-        write that had landed): its segments stay.
+        Another writer's manifest (another nonce) won: our segments are orphans, the
+        key is held. A manifest with our nonce is ours (a retried, in-doubt write that
+        had landed) — or, with the canonical nonce, an older writer's whose segments
+        were evicted before our put re-created them: then its checksum is not ours,
+        it names our bytes as its segments (a reader would find them wrong and clean
+        it up), and our put did not store the block.
         """
         try:
             rows = self._read_rows(
@@ -1031,8 +1139,9 @@ class AerospikeTier(Tier):
             )
         except TransientError as e:
             log.debug("aerospike tier %r: cannot check raced manifests: %s", self.name, e)
-            return []
+            return [], []
         lost: list[bytes] = []
+        unheld: list[int] = []
         for i, (code, record) in zip(raced, rows, strict=True):
             if code != OK:
                 continue  # gone again, or unknown: leave our segments to their TTL
@@ -1042,9 +1151,13 @@ class AerospikeTier(Tier):
                 theirs = Manifest.decode(raw) if raw is not None else None
             except ManifestError:
                 theirs = None
-            if theirs is None or theirs.nonce != segmented[i].nonce:
+            ours = segmented[i]
+            if theirs is None or theirs.nonce != ours.nonce:
                 lost += written[i]
-        return lost
+            elif (theirs.checksum, theirs.length) != (ours.checksum, ours.length):
+                lost += written[i]
+                unheld.append(i)
+        return lost, unheld
 
     def _remove_orphans(self, client: Any, keys: list[bytes]) -> None:
         """Delete segment records no manifest will name. Best effort; TTL reclaims what fails."""

@@ -20,14 +20,19 @@ block's first bytes (its kvtier header)::
     12     4     segment size (bytes; the last segment may be shorter)
     16     8     block length
     24     8     checksum of the whole block
-    32     8     nonce (random per write)
+    32     8     nonce (the chunk key's canonical nonce, or random)
     40     2     head length (min(64, block length))
     42     ...   head: the block's first bytes
 
-The nonce is drawn fresh by every write, so the segments of two writers of
-the same chunk live under different keys and a manifest only ever names the
-segments written by its own writer. Primary and segment keys have different
-lengths, so they can never collide.
+A manifest only ever names segments its own writer wrote. A writer first
+tries the chunk key's **canonical nonce** (:func:`canonical_nonce`, derived
+from the key alone) and writes its segments create-only: if every one was
+created, they are its own, and a reader who knows the key can ask for the
+manifest and the segments in one batch. If any already existed (another
+writer of the chunk, or orphans of a dead one), the writer removes the ones
+it created and writes its segments again under a random nonce, which no one
+else can name. Primary and segment keys have different lengths, so they can
+never collide.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ class ManifestError(ValueError):
 def block_checksum(block: bytes | memoryview) -> int:
     """The checksum a manifest stores for a whole block (xxh3_64)."""
     return xxhash.xxh3_64_intdigest(block)
+
+
+def canonical_nonce(chunk_key: bytes) -> bytes:
+    """The nonce a reader can compute from the chunk key alone (see the module docstring)."""
+    return xxhash.xxh3_64_digest(b"kvtier-segments\0" + chunk_key)
 
 
 def segment_key(chunk_key: bytes, nonce: bytes, index: int) -> bytes:

@@ -73,11 +73,14 @@ def test_stalled_server_get_returns_by_the_deadline(
     server: AerospikeTestServer, segmented: bool
 ) -> None:
     # Configured timeouts and retries far beyond the deadline: the deadline must win.
-    tier = make_tier(server.address, total_timeout_ms=3000, socket_timeout_ms=3000, max_retries=3)
+    writer = make_tier(server.address)
     key = os.urandom(16)
     value = os.urandom(4 * MiB) if segmented else b"a" * 1000
-    assert tier.put([(key, value)]) == [True]
-    assert tier.stats().segmented_writes == int(segmented)
+    assert writer.put([(key, value)]) == [True]
+    assert writer.stats().segmented_writes == int(segmented)
+    writer.close()
+    # Another engine's tier: it reads the chunk key, then the segments (stalled).
+    tier = make_tier(server.address, total_timeout_ms=3000, socket_timeout_ms=3000, max_retries=3)
     before = tier.stats()
     stall(server, segmented, 5.0)
     start = time.monotonic()
@@ -97,9 +100,12 @@ def test_stalled_server_get_returns_by_the_deadline(
 def test_store_over_a_stalled_server_misses_by_the_deadline(
     server: AerospikeTestServer, segmented: bool
 ) -> None:
-    tier = make_tier(server.address, total_timeout_ms=3000, socket_timeout_ms=3000, max_retries=3)
+    writer = make_tier(server.address)
     key = os.urandom(16)
-    tier.put([(key, os.urandom(3 * MiB) if segmented else b"b" * 1000)])
+    writer.put([(key, os.urandom(3 * MiB) if segmented else b"b" * 1000)])
+    writer.close()
+    # Another engine's tier: it reads the chunk key, then the segments (stalled).
+    tier = make_tier(server.address, total_timeout_ms=3000, socket_timeout_ms=3000, max_retries=3)
     with TieredStore([CpuTier(64 * MiB), tier]) as store:
         stall(server, segmented, 5.0)
         start = time.monotonic()

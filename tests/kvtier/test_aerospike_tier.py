@@ -28,7 +28,13 @@ from kvtier.errors import TransientError
 from kvtier.metrics import StoreMetrics
 from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
-from kvtier.tiers.aerospike_layout import BIN_MANIFEST, BIN_SEGMENT, Manifest
+from kvtier.tiers.aerospike_layout import (
+    BIN_MANIFEST,
+    BIN_SEGMENT,
+    Manifest,
+    canonical_nonce,
+    segment_key,
+)
 from tests.support.aerospike_server import AerospikeTestServer
 from tests.support.aerospike_target import InProcessTarget, Target, make_target
 from tests.support.timeouts import aerospike_timeouts
@@ -102,20 +108,27 @@ def test_32mib_encoded_block_round_trips(cap: int) -> None:
         assert tier.put([(key, block)]) == [True]
         # The dedup check, every segment in ONE batch write, the manifest.
         assert tier.stats().round_trips - before == 3
-        before = tier.stats().round_trips
+        # Another engine's tier: one read of the chunk key, then every segment in ONE batch.
+        reader = make_tier(target)
+        before = reader.stats().round_trips
         rows_before = (
             target.server.counts["batch_rows"] if isinstance(target, InProcessTarget) else 0
         )
-        (got,) = tier.get([key])
+        (got,) = reader.get([key])
         assert got == block
         verify_block(got)
-        # One read of the chunk key, then every segment in ONE batch.
-        assert tier.stats().round_trips - before == 2
+        assert reader.stats().round_trips - before == 2
         if isinstance(target, InProcessTarget):
             assert target.server.counts["batch_rows"] - rows_before == -(
                 -len(block) // tier.limits.segment_size
             )  # type: ignore[union-attr]
             assert target.server.largest_message < 128 * MiB
+        # Once a tier has seen a manifest of this size it asks for the chunk key and the
+        # canonical segments together: ONE round trip.
+        before = reader.stats().round_trips
+        assert reader.get([key]) == [block]
+        assert reader.stats().round_trips - before == 1
+        reader.close()
     finally:
         tier.close()
         target.close()
@@ -164,9 +177,14 @@ def test_contains_and_prefix_length_take_one_round_trip(target: Target) -> None:
         target.server.reset_counts()
         tier.contains(keys)
         assert target.server.counts["batch"] == 1 and target.server.counts["batch_rows"] == 60
+    reader = make_tier(target)  # another engine's
+    before = reader.stats().round_trips
+    reader.get(keys)
+    assert reader.stats().round_trips - before == 2  # chunk keys, then all segments
     before = tier.stats().round_trips
-    tier.get(keys)
-    assert tier.stats().round_trips - before == 2  # chunk keys, then all segments
+    tier.get(keys)  # the writer knows the segment count: chunk keys and segments at once
+    assert tier.stats().round_trips - before == 1
+    reader.close()
     tier.close()
 
 
@@ -246,6 +264,41 @@ def test_concurrent_writers_of_the_same_chunks(target: Target) -> None:
     assert tiers[0].get([k for k, _ in items]) == [b for _, b in items]
     assert target.record_count() == 4 * (5 + 1)  # no orphans left behind
     for t in tiers:
+        t.close()
+
+
+def test_taken_canonical_keys_make_a_writer_use_a_random_nonce(target: Target) -> None:
+    """Segments already under a chunk's canonical keys (a dead writer's) are never named by
+    another writer's manifest: it writes its own under a random nonce."""
+    tier = make_tier(target, segment_size=16 * KiB)
+    key, block = os.urandom(16), rand_bytes(60 * KiB, 11)
+    stale = segment_key(key, canonical_nonce(key), 1)
+    target.overwrite(stale, BIN_SEGMENT, b"left by a writer that died")
+    assert tier.put([(key, block)]) == [True]
+    (raw,) = tier._read_rows(tier._client, "test", [key], [BIN_MANIFEST], tier._exists_policy)
+    assert Manifest.decode(raw[1][2][BIN_MANIFEST]).nonce != canonical_nonce(key)
+    # the canonical segments this put had created are gone again; the stale one stays (TTL)
+    assert target.record_count() == 1 + 4 + 1
+    assert make_tier(target).get([key]) == [block]
+    assert tier.get([key]) == [block]  # speculates, finds another nonce, reads its segments
+    tier.close()
+
+
+def test_a_manifest_whose_segments_were_evicted_is_not_taken_for_ours(target: Target) -> None:
+    """Writer A's segments are evicted, its manifest stays; writer B (no dedup check) creates
+    the canonical segments anew with other bytes: A's manifest now names B's bytes. B's put
+    must not answer True, and no reader returns those mixed bytes."""
+    a = make_tier(target, segment_size=16 * KiB)
+    b = make_tier(target, segment_size=16 * KiB, skip_existing=False)
+    key = os.urandom(16)
+    assert a.put([(key, rand_bytes(60 * KiB, 12))]) == [True]
+    for i in range(4):
+        assert target.remove(segment_key(key, canonical_nonce(key), i))  # as eviction would
+    assert b.put([(key, rand_bytes(60 * KiB, 13))]) == [False]
+    assert make_tier(target).get([key]) == [None]
+    assert b.put([(key, rand_bytes(60 * KiB, 13))]) == [True]  # the broken manifest is gone
+    assert make_tier(target).get([key]) == [rand_bytes(60 * KiB, 13)]
+    for t in (a, b):
         t.close()
 
 
@@ -397,7 +450,8 @@ def test_ttl_recency_and_expiry_on_the_servers_clock(target: Target) -> None:
 
     before = touch.stats().round_trips
     assert None not in touch.get([b, c])
-    assert touch.stats().round_trips - before == 3  # chunk keys, segments, one batch touch
+    # chunk keys with the canonical segments (the writer knows their count), one batch touch
+    assert touch.stats().round_trips - before == 2
     assert all(t is not None and t >= 9 for k in (b, c) for t in _ttls(target, touch, k))
 
     assert short.get([gone]) == [None]  # expired: the server never serves it again
