@@ -134,7 +134,7 @@ def measure_cost(
         conn.flush()
 
     run()  # stores every chunk (and warms up)
-    assert conn.namespace is not None and conn.verifier is not None and conn._spec is not None
+    assert conn.namespace is not None and conn.verifier is not None and conn.worker.spec is not None
     keys = PrefixKeys(conn.namespace, cfg.block_tokens)
     keys.extend(prompt)
     chunk_keys = [keys.key((c + 1) * chunk) for c in range(chunks)]
@@ -151,7 +151,9 @@ def measure_cost(
     block = store.get([chunk_keys[0]])[0]
     assert block is not None
     computed = decode_block(block).payload.clone()
-    t_compare = _median_s(lambda: compare_chunk(computed, block, chunk_keys[0], conn._spec), 10)
+    t_compare = _median_s(
+        lambda: compare_chunk(computed, block, chunk_keys[0], conn.worker.spec), 10
+    )
     llm.engine.shutdown()
     store.close()
     expected = {}

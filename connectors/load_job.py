@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connectors.prefix import ObjectRef
 from kvtier.errors import KvtierError
+from kvtier.prefix import ObjectRef
 from kvtier.store import TieredStore
 
 # Places fetched blocks for ``objects`` (in order) into the cache for tokens
@@ -174,8 +174,14 @@ class LoadJob:
         """Submits every group's fetch."""
         self.fetcher = fetcher
         for a, b in fetch_groups(len(self.objects)):
-            keys = [o.key for o in self.objects[a:b]]
+            keys: list[bytes] = [o.key for o in self.objects[a:b]]
             self.groups.append((a, fetcher.submit(keys, self.deadline)))
+
+    def ready(self) -> bool:
+        """Whether ``advance`` has something to do: a group fetched, or the deadline passed."""
+        if self.done or not self.groups:
+            return True
+        return self.groups[0][1].done() or time.monotonic() >= self.deadline
 
     def advance(self, place: PlaceFn) -> bool:
         """Places every group whose fetch has ended, in order; returns True once the load is over.

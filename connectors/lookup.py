@@ -1,7 +1,7 @@
 """Prefix lookups off the scheduling thread: answered, or still in flight.
 
-Both engine adapters (the bundled engine's connector and vLLM's scheduler
-side) ask for a request's stored prefix when they consider admitting it. The
+The scheduler side (``scheduler_side.py``) asks for a request's stored
+prefix when its engine considers admitting it. The
 lookup is one batched ``contains`` per tier: microseconds for the CPU and
 disk tiers, a round trip for a network tier, and up to a timeout for a tier
 that has stopped answering. It runs on an I/O thread (the ``Fetcher``'s),
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from kvtier.connectors.load_job import Fetcher
 from kvtier.connectors.load_job import Lookup as LookupFuture
-from kvtier.connectors.prefix import StoredPrefix, longest_stored_prefix
 from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.verify import Quarantine
 from kvtier.errors import KvtierError
 from kvtier.metrics import StoreMetrics
+from kvtier.prefix import StoredPrefix, longest_stored_prefix
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class AsyncLookups:
         """The request's stored prefix, or None while its lookup is in flight (ask again later)."""
         pending = self._pending.get(request_id)
         if pending is None:
-            keys = state.keys.keys_at(state.keys.lookup_ends(state.num_prompt_tokens))
+            _, keys = state.lookup_keys()
             if not keys:
                 return self._answer(state, keys, [])
             if self._fetcher.saturated:  # every I/O thread is stuck on a tier: a miss
@@ -139,7 +139,7 @@ class AsyncLookups:
         # keys the verifier found wrong are not loaded (another writer may have put them back)
         if self._quarantine is not None and len(self._quarantine):
             present = [p and k not in self._quarantine for k, p in zip(keys, present, strict=True)]
-        prefix = longest_stored_prefix(state.keys, limit, present)
+        prefix = longest_stored_prefix(state.keys, limit, present, state.block_tokens)
         if outcome is None:
             outcome = "miss" if not prefix.num_tokens else "partial"
             if prefix.num_tokens == limit:

@@ -1,7 +1,7 @@
 """What the connector knows of one request: its keys, what is stored, what to save next.
 
-Shared by every engine adapter (the bundled engine's, vLLM's): the adapters
-differ in how they gather and scatter KV, not in what is stored or loaded.
+Held by the scheduler side (``scheduler_side.py``) for every engine: engines
+differ in how their caches are laid out, not in what is stored or loaded.
 
 Save plan, in tokens (C = chunk, B = block)::
 
@@ -26,9 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.connectors.load_job import LoadJob
-from kvtier.connectors.prefix import ObjectRef, StoredPrefix, object_ref
-from kvtier.keys import CacheNamespace, PrefixKeys
+from kvtier.keys import PrefixKeys
+from kvtier.prefix import ObjectRef, StoredPrefix, object_ref
 
 
 @dataclass
@@ -36,34 +35,42 @@ class RequestState:
     """One request, from its first lookup to its end.
 
     Attributes:
-        keys: Keys of its tokens (grown over generated tokens when they are saved).
+        keys: Keys of its tokens (grown over generated tokens when they are
+            saved; the engine's own when it computed them, else the connector's).
+        block_tokens: Granularity of lookups and of saved tails (``block_tokens``).
         num_prompt_tokens: Prompt length.
         chunks_stored_to: Tokens ``[0, chunks_stored_to)`` are stored as full
             chunks (found by the lookup or saved); a multiple of the chunk size.
         tails_stored: Ends of tail objects found or saved.
         prefix: The last lookup's answer, and when it was made.
-        job: The load in flight, if any.
         sampled: Whether each loadable object's key was sampled for
             verification (drawn once per request).
         verify: Stored objects the engine computes, to compare with their blocks.
     """
 
     keys: PrefixKeys
+    block_tokens: int
     num_prompt_tokens: int
     chunks_stored_to: int = 0
     tails_stored: set[int] = field(default_factory=set)
     prefix: StoredPrefix | None = None
     looked_up_at: float = 0.0
-    job: LoadJob | None = None
     sampled: dict[bytes, bool] = field(default_factory=dict)
     verify: list[ObjectRef] = field(default_factory=list)
 
     @staticmethod
-    def new(namespace: CacheNamespace, block_tokens: int, prompt: Sequence[int]) -> RequestState:
-        """A request seen for the first time."""
-        keys = PrefixKeys(namespace, block_tokens)
-        keys.extend(prompt)
-        return RequestState(keys, len(prompt))
+    def new(keys: PrefixKeys, block_tokens: int, prompt: Sequence[int]) -> RequestState:
+        """A request seen for the first time; ``keys`` are grown over its prompt if need be."""
+        if keys.num_tokens < len(prompt):
+            keys.extend(prompt[keys.num_tokens :])
+        return RequestState(keys, block_tokens, len(prompt))
+
+    def lookup_keys(self) -> tuple[list[int], list[bytes]]:
+        """Where a stored prefix of the prompt can end (every block boundary and its end), and
+        the keys of those prefixes."""
+        ends = self.keys.lookup_ends(self.num_prompt_tokens, self.block_tokens)
+        keys: list[bytes] = list(self.keys.keys_at(ends))
+        return ends, keys
 
     @property
     def chunk_size(self) -> int:
@@ -143,7 +150,7 @@ class RequestState:
         the chunks before it are not all stored (a tail is only found after
         its full chunks).
         """
-        c, b = self.chunk_size, self.keys.block_tokens
+        c, b = self.chunk_size, self.block_tokens
         end = computed if exact else (computed // b) * b
         start = (end // c) * c
         if end == start or end in self.tails_stored or self.chunks_stored_to < start:

@@ -8,15 +8,17 @@ Run vLLM with::
         "kv_connector_extra_config": {"config": "kvtier.yaml"}}'
 
 vLLM builds one instance per process: the **scheduler** side in its engine
-core (``vllm_scheduler.py``: lookups, load offers, the save plan) and the
-**worker** side next to the model (``vllm_worker.py``: places loads into
-and gathers saves out of vLLM's cache, through ``vllm_layout.py``). Each
+core and the **worker** side next to the model. Both are the connector core
+that the bundled engine runs too (``scheduler_side.py``: lookups, load
+offers, the save plan; ``worker_side.py``: places loads into and gathers
+saves out of vLLM's cache, through ``layouts.py``). Each
 opens its own ``TieredStore`` from the kvtier configuration, so the tiers
 that matter are the ones both processes see: a disk directory, a ``kvtier
 serve`` cache server, Aerospike. A ``cpu`` tier is per process: in the
 worker it keeps what it saved and loaded close, the scheduler's lookups do
-not see it. This class only routes vLLM's calls to the side of its role and
-wraps what passes between them in vLLM's types (``vllm_plan.py``).
+not see it. This class only routes vLLM's calls to the side of its role,
+reads vLLM's scheduler output (``vllm_steps.py``) and wraps what passes
+between the sides (``plan.py``) in vLLM's types.
 
 Configuration (``vllm_config.py``; docs/vllm.md): vLLM's version and
 ``kv_load_failure_policy`` are checked at construction; the namespace comes
@@ -43,6 +45,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvtier.config import load_config
+from kvtier.connectors.layouts import CPU_BACKEND, layout_for
+from kvtier.connectors.plan import Counters, StepPlan, WorkerReport
+from kvtier.connectors.scheduler_side import ConnectorScheduler
 from kvtier.connectors.vllm_config import (
     VllmSettings,
     check_failure_policy,
@@ -51,11 +56,9 @@ from kvtier.connectors.vllm_config import (
     namespace_for,
     weights_fingerprint,
 )
-from kvtier.connectors.vllm_layout import CPU_BACKEND, layout_for
 from kvtier.connectors.vllm_metrics import KvtierPromMetrics, KvtierStats
-from kvtier.connectors.vllm_plan import Counters, StepPlan, WorkerReport
-from kvtier.connectors.vllm_scheduler import VllmScheduler
-from kvtier.connectors.vllm_worker import VllmWorker
+from kvtier.connectors.vllm_steps import build_step_plan
+from kvtier.connectors.worker_side import ConnectorWorker
 from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
@@ -144,11 +147,11 @@ class KvtierConnectorV1(KVConnectorBase_V1):
         self._metrics = StoreMetrics(CollectorRegistry())
         self._store = build_store(self._config, self._metrics)
         self._counters = Counters()
-        self._scheduler: VllmScheduler | None = None
-        self._worker: VllmWorker | None = None
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
         self._endpoint: MetricsEndpoint | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = VllmScheduler(
+            self._scheduler = ConnectorScheduler(
                 config=self._config,
                 namespace=self._namespace,
                 store=self._store,
@@ -157,7 +160,7 @@ class KvtierConnectorV1(KVConnectorBase_V1):
                 metrics=self._metrics,
             )
         else:
-            self._worker = VllmWorker(
+            self._worker = ConnectorWorker(
                 config=self._config,
                 store=self._store,
                 counters=self._counters,
@@ -211,10 +214,11 @@ class KvtierConnectorV1(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
-            self._worker.start_loads(self._plan())
+            self._worker.start_loads(self._plan().loads)
+            self._worker.take_results()  # vLLM learns of failures through failed blocks
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads hold all layers: placed whole in start_load_kv (vllm_worker.py)
+        return  # loads hold all layers: placed whole in start_load_kv (worker_side.py)
 
     def save_kv_layer(
         self,
@@ -227,12 +231,13 @@ class KvtierConnectorV1(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._worker is not None and self.has_connector_metadata():
-            self._worker.save(self._plan())
+            self._worker.save(self._plan().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         sent, recvd = self._worker.finished(finished_req_ids)
+        self._worker.take_results()  # vLLM learns of failures through failed blocks
         return sent or None, recvd or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -264,7 +269,7 @@ class KvtierConnectorV1(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return KvtierConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+        return KvtierConnectorMetadata(build_step_plan(self._scheduler, scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

@@ -14,7 +14,7 @@ weights and KV geometry: model id (the model directory's name), the weights
 fingerprint the engine computes for a Hugging Face directory
 (``HFModelDir.fingerprint``), layers, KV heads, head dim, KV dtype, chunk
 size and key hash. vLLM's block size and its CPU or CUDA cache layout are not
-part of it: chunks are stored token-major (``vllm_layout.py``), so any block
+part of it: chunks are stored token-major (``layouts.py``), so any block
 size, either layout and the bundled engine share them.
 """
 

@@ -1,13 +1,13 @@
 """kvtier's counters on vLLM's own ``/metrics``, through vLLM's connector-stats API.
 
-Both connector sides count (``vllm_plan.Counters``): the scheduler side its
+Both connector sides count (``plan.Counters``): the scheduler side its
 lookups and offers, the worker side its loads and saves. Each step vLLM asks
 both for ``get_kv_connector_stats``, merges what they return and carries it
 to the API server process, where ``KvtierPromMetrics.observe`` adds it to
 these metrics of vLLM's registry (so they carry vLLM's ``model_name`` and
 ``engine`` labels)::
 
-    vllm:kvtier_<counter>_total   for every name in vllm_plan.COUNTERS
+    vllm:kvtier_<counter>_total   for every name in plan.COUNTERS
     vllm:kvtier_load_seconds      histogram: one load, start to last token placed
 
 kvtier's own registry (tier operations, latencies, corrupt blocks, the
@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvtier.connectors.vllm_plan import COUNTERS
+from kvtier.connectors.plan import COUNTERS
 
 LOAD_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

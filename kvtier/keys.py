@@ -290,17 +290,20 @@ class PrefixKeys:
         h.update(self._data[c0 * bt : num_tokens * 4])
         return _key_of(h)
 
-    def boundaries(self, num_tokens: int) -> list[int]:
-        """Block boundaries ``B, 2B, ...`` up to ``num_tokens`` (capped at the sequence)."""
-        n = min(num_tokens, self.num_tokens) // self.block_tokens
-        return [(b + 1) * self.block_tokens for b in range(n)]
+    def boundaries(self, num_tokens: int, step: int | None = None) -> list[int]:
+        """Boundaries ``S, 2S, ...`` up to ``num_tokens`` (capped at the sequence); ``S`` is
+        ``step``, by default ``block_tokens`` (other steps are correct, and as fast when a
+        multiple of it)."""
+        s = step or self.block_tokens
+        n = min(num_tokens, self.num_tokens) // s
+        return [(b + 1) * s for b in range(n)]
 
-    def lookup_ends(self, num_tokens: int) -> list[int]:
-        """Where a stored prefix of the first ``num_tokens`` tokens can end: every block
-        boundary, and ``num_tokens`` itself (a prompt's exact end)."""
+    def lookup_ends(self, num_tokens: int, step: int | None = None) -> list[int]:
+        """Where a stored prefix of the first ``num_tokens`` tokens can end: every boundary
+        (``boundaries``), and ``num_tokens`` itself (a prompt's exact end)."""
         n = min(num_tokens, self.num_tokens)
-        ends = self.boundaries(n)
-        return [*ends, n] if n % self.block_tokens else ends
+        ends = self.boundaries(n, step)
+        return [*ends, n] if n % (step or self.block_tokens) else ends
 
     def keys_at(self, ends: Sequence[int]) -> list[ChunkKey]:
         """The keys of the prefixes ending at ``ends``."""

@@ -20,8 +20,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.connectors.prefix import longest_stored_prefix
 from kvtier.keys import CacheNamespace, PrefixKeys
+from kvtier.prefix import longest_stored_prefix
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from kvtier.connectors.prefix import longest_stored_prefix
 from kvtier.connectors.request_state import RequestState
 from kvtier.errors import ConfigError
 from kvtier.keys import CacheNamespace, PrefixKeys, chunk_keys
+from kvtier.prefix import longest_stored_prefix
 
 NS = CacheNamespace("m", "fp", 2, 2, 4, "bfloat16", chunk_size=64)
 
@@ -81,7 +81,7 @@ def test_random_lengths_stored_whole_are_found_whole(exact: bool) -> None:
     for _ in range(50):
         n = rng.randrange(1, 600)
         toks = [rng.randrange(1000) for _ in range(n)]
-        state = RequestState.new(NS, 16, toks)
+        state = RequestState.new(PrefixKeys(NS, 16), 16, toks)
         saved = state.chunks_to_save(toks, n)
         tail = state.tail_to_save(toks, n, exact=exact)
         stored = {o.end for o in saved} | ({tail.end} if tail else set())
@@ -89,7 +89,7 @@ def test_random_lengths_stored_whole_are_found_whole(exact: bool) -> None:
         # the prompt's end, or what G1 would hold: its last full block
         assert p.num_tokens == (n if exact else (n // 16) * 16)
         # a longer prompt extending this one finds the block-aligned part
-        longer = RequestState.new(NS, 16, [*toks, *range(40)])
+        longer = RequestState.new(PrefixKeys(NS, 16), 16, [*toks, *range(40)])
         q = longest_stored_prefix(longer.keys, n + 40, _present(longer.keys, n + 40, stored))
         found_tail = n if n % 16 == 0 or not exact else (n // 64) * 64
         assert q.num_tokens == (found_tail if exact else (n // 16) * 16)
@@ -97,7 +97,7 @@ def test_random_lengths_stored_whole_are_found_whole(exact: bool) -> None:
 
 def test_save_plan_saves_each_object_once_and_again_after_a_failed_load() -> None:
     toks = list(range(200))
-    s = RequestState.new(NS, 16, toks[:150])
+    s = RequestState.new(PrefixKeys(NS, 16), 16, toks[:150])
     assert [(o.start, o.end) for o in s.chunks_to_save(toks, 100)] == [(0, 64)]
     assert s.chunks_to_save(toks, 120) == []
     assert [(o.start, o.end) for o in s.chunks_to_save(toks, 150)] == [(64, 128)]
@@ -114,5 +114,5 @@ def test_save_plan_saves_each_object_once_and_again_after_a_failed_load() -> Non
     assert s.chunks_stored_to == 64 and s.tails_stored == set()
     assert [(o.start, o.end) for o in s.chunks_to_save(toks, 199)] == [(64, 128), (128, 192)]
     # a tail is only saved when the chunks before it are stored
-    t = RequestState.new(NS, 16, toks[:100])
+    t = RequestState.new(PrefixKeys(NS, 16), 16, toks[:100])
     assert t.tail_to_save(toks, 100) is None

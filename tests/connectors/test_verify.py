@@ -24,7 +24,6 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.connectors.kvtier_connector import KvtierConnector
-from kvtier.connectors.prefix import ObjectRef, StoredPrefix
 from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.verify import Quarantine, compare_chunk, random_sampler, tolerance
 from kvtier.engine import LLM, SamplingParams
@@ -32,6 +31,7 @@ from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.kernels import dequantize_chunk, quantize_chunk
 from kvtier.keys import CacheNamespace, PrefixKeys
+from kvtier.prefix import ObjectRef, StoredPrefix
 from tests.engine.tiny_models import write_tiny_model
 
 CHUNK = 32
@@ -129,7 +129,7 @@ def test_verify_fraction_is_validated(value: str) -> None:
 
 def test_plan_stops_the_load_at_the_first_sampled_object() -> None:
     ns = CacheNamespace("m", "f", 1, 1, 8, "float32", chunk_size=CHUNK)
-    state = RequestState.new(ns, 16, list(range(3, 3 + 4 * CHUNK)))
+    state = RequestState.new(PrefixKeys(ns, 16), 16, list(range(3, 3 + 4 * CHUNK)))
     objs = tuple(
         ObjectRef(s, s + CHUNK, state.keys.key(s + CHUNK)) for s in range(0, 3 * CHUNK, CHUNK)
     )

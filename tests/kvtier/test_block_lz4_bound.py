@@ -17,8 +17,15 @@ from kvtier.block import (
     encode_block,
     verify_block,
 )
-from kvtier.connectors.loader import place_chunks
+from kvtier.config import KvtierConfig
+from kvtier.connectors.layouts import EngineKV
+from kvtier.connectors.plan import Counters, PlannedLoad
+from kvtier.connectors.worker_side import ConnectorWorker
 from kvtier.errors import BadLengthError, BadShapeError
+from kvtier.metrics import StoreMetrics
+from kvtier.prefix import ObjectRef
+from kvtier.store import TieredStore
+from tests.kvtier.helpers import FlakyTier
 
 KEY = bytes(range(16))
 SHAPE = (2, 2, 32, 2, 8)  # [layers, 2, tokens, kv_heads, head_dim]
@@ -82,19 +89,26 @@ def test_the_loader_reports_a_hostile_block_as_corrupt_and_places_nothing(
 ) -> None:
     kv = activation_like_kv(SHAPE, seed=6)
     hostile = lying(encode_block(kv, key=KEY, compression=Compression.LZ4), 256)
-    cache = torch.zeros(2, 2, 4, 16, 2, 8, dtype=torch.bfloat16)  # [L, 2, blocks, 16, H, D]
-    placed = place_chunks(
-        [hostile],
-        keys=[KEY],
-        first_chunk=0,
-        chunk_size=32,
-        start=0,
-        end=32,
-        block_ids=[0, 1],
-        block_size=16,
-        kv_cache=cache,
-        spec=SPEC,
+    tier = FlakyTier()  # hands the block over as it is: its checksum is valid anyway
+    tier.data[KEY] = hostile
+    store = TieredStore([tier], metrics=StoreMetrics())
+    worker = ConnectorWorker(
+        config=KvtierConfig(chunk_size=32), store=store, counters=Counters(), metrics=store.metrics
     )
-    assert placed.loaded_tokens == 0 and placed.corrupt == "shape"
-    assert placed.error is not None and "more than the 32" in placed.error
-    assert not cache.any()
+    cache = torch.zeros(2, 2, 4, 16, 2, 8, dtype=torch.bfloat16)  # [L, 2, blocks, 16, H, D]
+    worker.register(EngineKV(cache))
+    try:
+        worker.start_loads([PlannedLoad("r", 0, 32, (ObjectRef(0, 32, KEY),), (0, 1), sync=True)])
+        (result,) = worker.take_results()
+        assert result.placed == 0 and result.failed
+        assert result.error is not None and "more than the 32" in result.error
+        assert (
+            store.metrics.value(
+                "kvtier_corrupt_block_reasons_total", {"tier": "load", "reason": "shape"}
+            )
+            == 1
+        )
+        assert not cache.any()
+    finally:
+        worker.close()
+        store.close()

@@ -1,6 +1,7 @@
 """A small stand-in for vLLM around the connector's two sides: requests, scheduler outputs, a forward.
 
-``FakeVllm`` drives ``VllmScheduler`` and ``VllmWorker`` the way vLLM 0.32
+``FakeVllm`` drives the connector core's two sides (``ConnectorScheduler``,
+``ConnectorWorker``) through vLLM's adapter code the way vLLM 0.32
 does (``../shared/reference/vllm-connector.md``, section 2) on a hand-built
 CPU cache (``PackedCpuKV``) and a real store on a temporary directory. Its
 "forward pass" writes a deterministic KV for each token (a function of the
@@ -18,13 +19,15 @@ from typing import Any
 import torch
 
 from kvtier.config import DiskTierConfig, KvtierConfig
-from kvtier.connectors.vllm_layout import PackedCpuKV
-from kvtier.connectors.vllm_plan import Counters, StepPlan
-from kvtier.connectors.vllm_scheduler import VllmScheduler
-from kvtier.connectors.vllm_worker import VllmWorker
+from kvtier.connectors.layouts import PackedCpuKV
+from kvtier.connectors.plan import Counters, StepPlan
+from kvtier.connectors.scheduler_side import ConnectorScheduler
+from kvtier.connectors.vllm_steps import build_step_plan
+from kvtier.connectors.worker_side import ConnectorWorker
 from kvtier.factory import build_store
 from kvtier.keys import CacheNamespace
 from kvtier.metrics import StoreMetrics
+from kvtier.store import TieredStore
 
 L, H, D, BS, NB = 2, 2, 8, 32, 24
 CHUNK = 64
@@ -93,13 +96,18 @@ class SchedOut:
 class FakeVllm:
     """One vLLM "process": a scheduler side, a worker side, a CPU cache and a block allocator."""
 
-    def __init__(self, config: KvtierConfig, *, load_async: bool = False) -> None:
+    def __init__(
+        self, config: KvtierConfig, *, load_async: bool = False, store: TieredStore | None = None
+    ) -> None:
         self.config = config
         self.counters = Counters()
-        self.metrics = StoreMetrics()
-        self.sched_store = build_store(config, StoreMetrics())
-        self.worker_store = build_store(config, self.metrics)
-        self.scheduler = VllmScheduler(
+        # each side opens its own store, as in vLLM's two processes (or both use ``store``,
+        # which the caller closes)
+        self._owns_stores = store is None
+        self.metrics = StoreMetrics() if store is None else store.metrics
+        self.sched_store = build_store(config, StoreMetrics()) if store is None else store
+        self.worker_store = build_store(config, self.metrics) if store is None else store
+        self.scheduler = ConnectorScheduler(
             config=config,
             namespace=NS,
             store=self.sched_store,
@@ -107,7 +115,7 @@ class FakeVllm:
             counters=self.counters,
             metrics=StoreMetrics(),
         )
-        self.worker = VllmWorker(
+        self.worker = ConnectorWorker(
             config=config, store=self.worker_store, counters=self.counters, metrics=self.metrics
         )
         self.buf = torch.zeros(L, NB, H, BS, 2 * D)
@@ -126,13 +134,14 @@ class FakeVllm:
         """One step: plan, sync loads, the forward (writes true KV), saves, finished, reports."""
         out.finished_req_ids |= self.finished_ids
         self.finished_ids = set()
-        plan = self.scheduler.build_plan(out)
-        self.worker.start_loads(plan)
+        plan = build_step_plan(self.scheduler, out)
+        self.worker.start_loads(plan.loads)
         for req, blocks, lo, hi in forward:
             if hi > lo:
                 self.layout.scatter(true_kv(req.all_token_ids, lo, hi), blocks, lo)
-        self.worker.save(plan)
+        self.worker.save(plan.saves)
         sent, recvd = self.worker.finished(out.finished_req_ids)
+        self.results = self.worker.take_results()
         self.sent, self.recvd = sent, recvd
         self.errors = self.worker.take_load_errors()
         self.scheduler.update(recvd, self.worker.report())
@@ -151,5 +160,6 @@ class FakeVllm:
     def close(self) -> None:
         self.scheduler.close()
         self.worker.close()
-        self.worker_store.close()
-        self.sched_store.close()
+        if self._owns_stores:
+            self.worker_store.close()
+            self.sched_store.close()

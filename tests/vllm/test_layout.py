@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors.vllm_layout import (
+from kvtier.connectors.layouts import (
     PackedCpuKV,
     PagedKV,
     TokenKV,

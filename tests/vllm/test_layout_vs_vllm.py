@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     import vllm._custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from kvtier.connectors.vllm_layout import layout_for
+    from kvtier.connectors.layouts import layout_for
 
     torch.manual_seed(0)
     L, NB, H = 3, 6, 3

@@ -1,46 +1,48 @@
-"""The vLLM connector's scheduler side: lookups, load offers and the save plan.
+"""The connector's scheduler side: lookups, load offers, the save plan (every engine's).
 
-Runs in vLLM's ``EngineCore`` process, on its scheduler thread. For each
-request it keeps a ``RequestState`` (keys, lookup, save plan: shared with the
-bundled engine's connector) and answers vLLM's scheduler hooks::
+It plans; the worker side (``worker_side.py``) moves bytes. The engine
+adapters (``kvtier_connector.py`` for the bundled engine, ``vllm.py`` for
+vLLM) translate their engine's calls into these::
 
-    get_num_new_matched_tokens(req, n_local)
-        keys of the prompt ─► store.contains (one batched call per tier, on an I/O thread:
-        ``lookup.py``; None while it is in flight, vLLM asks again next step) ─► longest
-        stored prefix
-        offer: min(prefix, prompt - 1) - n_local tokens (0 below min_load_tokens),
-               loaded sync or async (VllmSettings.load_mode)
-    update_state_after_alloc(req, blocks, n)   n > 0: plan a LoadSpec of [n_local, n_local + n)
-    build_connector_meta(step)                 the planned loads, and a SaveSpec for every
-                                               request whose chunks (or prompt tail) complete
-                                               in this step
-    update_connector_output(out)               WorkerReport: failed loads rewind the save plan
+    engine                                   ConnectorScheduler
+    ──────                                   ──────────────────
+    a request is considered for admission:
+      get_num_new_matched_tokens(req, n_local) keys (the request's own, computed once), a
+                                               lookup on an I/O thread (lookup.py), the offer:
+                                               (n, load async) | (None: ask again next step)
+      update_state_after_alloc(req, blocks, n) a PlannedLoad of the accepted tokens
+    each step:
+      set_blocks / plan_saves(req, computed)   PlannedSaves: new full chunks, the prompt's
+                                               tail at the end of its prefill, objects to verify
+      take_plan() ─► StepPlan ─► worker side
+      update(loads ended, WorkerReport)        failed loads rewind the save plan; bad keys
+                                               are quarantined; stuck load threads stop offers
     request_finished(req, blocks)              with save_decode: the chunks and tail of
-                                               prompt + answer; True keeps vLLM's blocks
-                                               until the worker has gathered them
+                                               prompt + answer (True: keep the blocks until
+                                               the worker has gathered them)
 
-Rules that keep vLLM correct:
+Rules that keep every engine correct:
 
 * **A request is offered a load at most once.** After a failed
   asynchronous load with nothing placed, vLLM frees the blocks and asks
   again; offering the same hit again loops forever (observed with vLLM
   0.32). A request whose load was planned gets 0 from then on.
 * **An offer never exceeds what the lookup found**, and leaves the prompt's
-  last token to vLLM; whatever the worker fails to place is reported as
-  failed blocks, so vLLM recomputes it (``vllm_worker.py``).
-* **Saves after a failed load wait for the news** (``SaveSpec.after_failed_load``).
+  last token to the engine; whatever the worker fails to place is reported
+  failed, and the engine recomputes it.
+* **Saves after a failed load wait for the news** (``PlannedSave.after_failed_load``).
 
 Requests with LoRA adapters, multimodal inputs or prompt embeddings are not
 cached (their KV depends on more than the tokens): a miss, counted.
 ``cache_salt`` isolates requests as a tenant salt of the namespace.
 
-**Sampled verification** (``connectors/verify.py``, ``connector.verify_fraction``;
-on by default where a tier is shared): each loadable object is sampled;
-the offer stops before the first sampled one, so vLLM computes it and what
+**Sampled verification** (``verify.py``, ``connector.verify_fraction``; on by
+default where a tier is shared): each loadable object is sampled; the offer
+stops before the first sampled one, so the engine computes it and what
 follows, and the save plan hands those objects, once computed, to the worker
-(``SaveSpec.verify``), which compares them with their stored blocks. Keys
+(``PlannedSave.verify``), which compares them with their stored blocks. Keys
 the worker found wrong come back in its report and are quarantined here:
-lookups do not offer them again for a while.
+lookups do not offer them, saves do not store them, for a while.
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ from typing import Any
 
 from kvtier.config import KvtierConfig, effective_verify_fraction
 from kvtier.connectors.load_job import Fetcher
-from kvtier.connectors.lookup import AsyncLookups
-from kvtier.connectors.prefix import ObjectRef
+from kvtier.connectors.lookup import AsyncLookups, LookupStats
+from kvtier.connectors.plan import Counters, PlannedLoad, PlannedSave, StepPlan, WorkerReport
 from kvtier.connectors.request_state import RequestState
 from kvtier.connectors.verify import Quarantine, Sampler, random_sampler
-from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
-from kvtier.keys import CacheNamespace
+from kvtier.keys import CacheNamespace, PrefixKeys
 from kvtier.metrics import StoreMetrics
+from kvtier.prefix import ObjectRef
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def uncacheable(request: Any) -> str | None:
 class _Tracked:
     """What the scheduler side keeps of one request."""
 
-    request: Any  # vLLM's Request, read as it changes (all_token_ids, num_computed_tokens)
+    request: Any  # the engine's request (or its view), read as it changes
     state: RequestState | None  # None: not cacheable
     block_ids: list[int] = field(default_factory=list)
     offered_from: int = 0  # n_local of the last offer
@@ -93,18 +95,26 @@ class _Tracked:
     failed_load: bool = False  # the worker reported the load failed
 
 
-class VllmScheduler:
+class ConnectorScheduler:
     """The scheduler side (see the module docstring).
+
+    A request is any object with ``request_id``, ``prompt_token_ids``,
+    ``all_token_ids`` (the live prompt + output) and ``num_computed_tokens``;
+    ``prefix_keys`` (its keys, computed once by the engine) and
+    ``cache_salt`` are read when present.
 
     Args:
         config: kvtier's configuration.
         namespace: Where this model's KV lives.
         store: The store the lookups ask.
         load_async: Offer hits as asynchronous loads.
-        counters: Where to count (handed to vLLM's stats).
+        counters: Where to count.
         metrics: kvtier's metrics.
         verify_sampler: Decides which loadable objects are verified (by default
             each with probability ``effective_verify_fraction(config)``).
+        fetcher: The I/O threads lookups run on (default: its own pool; an
+            engine that runs both sides in one process shares one).
+        quarantine: Keys found wrong (default: its own).
     """
 
     def __init__(
@@ -117,26 +127,30 @@ class VllmScheduler:
         counters: Counters,
         metrics: StoreMetrics,
         verify_sampler: Sampler | None = None,
+        fetcher: Fetcher | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self._config = config
-        self._ns = namespace
-        self._store = store
+        self.namespace = namespace
         self._load_async = load_async
         self._counters = counters
         self._metrics = metrics
         self._requests: dict[str, _Tracked] = {}
-        self._loads: list[LoadSpec] = []
-        self._releases: list[SaveSpec] = []
+        self._loads: list[PlannedLoad] = []
+        self._saves: list[PlannedSave] = []
         self._worker_stuck = False
+        self.refused_offers = 0
         fraction = effective_verify_fraction(config)
         self._sample = verify_sampler
         if self._sample is None and fraction > 0:
             self._sample = random_sampler(fraction)
             log.info("kvtier: sampled verification of %.3g of loaded chunks", fraction)
-        self.quarantine = Quarantine()
-        """Keys the worker's verification found wrong: never offered while they stay."""
-        # NOTE: the scheduler process's own I/O threads: lookups only (loads are the worker's)
-        self._fetcher = Fetcher(store, config.connector.load_workers)
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
+        """Keys the worker's verification found wrong: neither offered nor saved while they stay."""
+        self._owns_fetcher = fetcher is None
+        self._fetcher = (
+            fetcher if fetcher is not None else Fetcher(store, config.connector.load_workers)
+        )
         self._lookups = AsyncLookups(
             self._fetcher,
             timeout_s=config.connector.lookup_timeout_s,
@@ -154,16 +168,25 @@ class VllmScheduler:
             reason = uncacheable(request)
             state = None
             if reason is None:
-                ns = self._ns
-                salt = getattr(request, "cache_salt", None)
-                if salt:
-                    ns = ns.with_tenant(salt)
-                state = RequestState.new(ns, self._config.block_tokens, request.prompt_token_ids)
+                state = RequestState.new(
+                    self._keys_for(request), self._config.block_tokens, request.prompt_token_ids
+                )
             else:
                 self._counters.add("skipped_requests")
                 log.debug("kvtier: request %s is not cached (%s)", rid, reason)
             tracked = self._requests[rid] = _Tracked(request, state)
         return tracked
+
+    def _keys_for(self, request: Any) -> PrefixKeys:
+        """The request's keys: its own when the engine computed them in this namespace."""
+        ns = self.namespace
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            ns = ns.with_tenant(salt)
+        keys = getattr(request, "prefix_keys", None)
+        if isinstance(keys, PrefixKeys) and keys.namespace == ns:
+            return keys  # NOTE: one hash per request: the engine's G1 and events read the same
+        return PrefixKeys(ns, self._config.block_tokens)
 
     def _lookup_counted(self, what: str) -> None:
         self._counters.add(
@@ -172,16 +195,26 @@ class VllmScheduler:
             )
         )
 
+    @property
+    def lookup_stats(self) -> LookupStats:
+        """Lookups deferred a step, timed out, or refused (``lookup.py``)."""
+        return self._lookups.stats
+
+    def any_lookup_answered(self) -> bool:
+        """Whether a lookup in flight has an answer waiting (its request can be admitted)."""
+        return self._lookups.any_answered()
+
     def close(self) -> None:
-        """Stops the lookup threads (one stuck in a tier is left to end on its own)."""
-        self._fetcher.shutdown()
+        """Stops the lookup threads it owns (one stuck in a tier is left to end on its own)."""
+        if self._owns_fetcher:
+            self._fetcher.shutdown()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens to load beyond vLLM's own ``num_computed_tokens``, and whether asynchronously.
+        """Tokens to load beyond the engine's own ``num_computed_tokens``, and whether asynchronously.
 
-        ``None`` tokens: the lookup is still in flight; vLLM asks again next step.
+        ``None`` tokens: the lookup is still in flight; the engine asks again next step.
         """
         tracked = self._track(request)
         state = tracked.state
@@ -201,13 +234,14 @@ class VllmScheduler:
             self._counters.add("hit_tokens", state.prefix.num_tokens)
             self._metrics.lookup_tokens.labels("requested").inc(prompt)
             self._metrics.lookup_tokens.labels("hit").inc(state.prefix.num_tokens)
-        end = min(state.prefix.num_tokens, prompt - 1)  # vLLM computes at least the last token
-        if self._sample is not None:  # a sampled object is computed by vLLM, then compared
+        end = min(state.prefix.num_tokens, prompt - 1)  # the engine computes the last token
+        if self._sample is not None:  # a sampled object is computed by the engine, then compared
             end = state.plan_verification(num_computed_tokens, end, self._sample)
         n = end - num_computed_tokens
         if n < self._config.connector.min_load_tokens:
             return 0, False
-        if self._worker_stuck:
+        if self._worker_stuck or self._fetcher.saturated:  # loads would queue behind a stuck tier
+            self.refused_offers += 1
             self._counters.add("refused_tokens", n)
             self._metrics.load_tokens.labels("refused").inc(n)
             return 0, False
@@ -217,11 +251,11 @@ class VllmScheduler:
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's); plan the load of what it accepted."""
+        """The engine allocated ``block_ids`` (all of the request's); plans the load it accepted."""
         tracked = self._track(request)
         tracked.block_ids = list(block_ids)
         if num_external_tokens <= 0:
-            return  # no load, or the second call of an asynchronous one
+            return  # no load, or vLLM's second call of an asynchronous one
         start = tracked.offered_from
         end = start + num_external_tokens
         prefix = tracked.state.prefix if tracked.state is not None else None
@@ -229,10 +263,10 @@ class VllmScheduler:
         if prefix is not None and end <= prefix.num_tokens and not tracked.load_planned:
             objects = tuple(prefix.objects_from(start))
         else:
-            # vLLM accepted more than was offered: load nothing, so that every
-            # block is reported failed and recomputed.
+            # the engine accepted more than was offered: load nothing, so that
+            # the load fails and every token is recomputed
             log.warning(
-                "kvtier: vLLM accepted tokens [%d, %d) of %s that were not offered",
+                "kvtier: the engine accepted tokens [%d, %d) of %s that were not offered",
                 start,
                 end,
                 request.request_id,
@@ -240,7 +274,7 @@ class VllmScheduler:
         tracked.load_planned = True
         tracked.loading = self._load_async
         self._loads.append(
-            LoadSpec(
+            PlannedLoad(
                 request.request_id,
                 start,
                 end,
@@ -252,59 +286,64 @@ class VllmScheduler:
 
     # ---- the step's plan ---------------------------------------------------------------
 
-    def build_plan(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads, and the saves of what its forward pass completes."""
-        so = scheduler_output
-        saves: list[SaveSpec] = list(self._releases)
-        self._releases.clear()
-        for new in so.scheduled_new_reqs:
-            tracked = self._requests.get(new.req_id)
-            if tracked is None:
-                continue
-            tracked.block_ids = list(new.block_ids[0])
-            self._plan_saves(
-                tracked, new.num_computed_tokens, so.num_scheduled_tokens.get(new.req_id, 0), saves
-            )
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            tracked = self._requests.get(rid)
-            if tracked is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
-            elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
-            self._plan_saves(
-                tracked, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), saves
-            )
-        loads = tuple(self._loads)
-        self._loads.clear()
-        return StepPlan(loads, tuple(saves))
+    def num_prompt_tokens(self, request_id: str) -> int | None:
+        """The prompt length of a tracked, cacheable request (None otherwise)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.state is None:
+            return None
+        return tracked.state.num_prompt_tokens
 
-    def _plan_saves(
-        self, tracked: _Tracked, computed: int, scheduled: int, saves: list[SaveSpec]
+    def set_blocks(
+        self, request_id: str, block_ids: Sequence[int], *, append: bool = False
     ) -> None:
-        state = tracked.state
-        if state is None or scheduled <= 0:
+        """The request's block table now is ``block_ids`` (or grew by them, with ``append``)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
             return
-        prompt = state.num_prompt_tokens
-        decode = computed >= prompt
+        if append:
+            tracked.block_ids.extend(block_ids)
+        else:
+            tracked.block_ids = list(block_ids)
+
+    def plan_saves(
+        self,
+        request_id: str,
+        computed: int,
+        *,
+        decode: bool,
+        token_ids: Sequence[int] | None = None,
+        block_ids: Sequence[int] | None = None,
+    ) -> None:
+        """After this step the first ``computed`` tokens have KV: plans what to save of them.
+
+        Args:
+            request_id: The request.
+            computed: Tokens whose KV is in the cache after this step's forward pass.
+            decode: The step computed output tokens (not the prompt).
+            token_ids: Prompt + output so far (default: the tracked request's).
+            block_ids: Its block table (default: the tracked one).
+        """
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.state is None:
+            return
         if decode and not self._config.connector.save_decode:
             return
-        after = computed + scheduled  # tokens whose KV is in the cache after this step
-        tokens = tracked.request.all_token_ids
-        objects = state.chunks_to_save(tokens, after)
-        if self._config.save_partial_chunks and not decode and after >= prompt:
+        if block_ids is not None:
+            tracked.block_ids = list(block_ids)
+        state = tracked.state
+        tokens = token_ids if token_ids is not None else tracked.request.all_token_ids
+        prompt = state.num_prompt_tokens
+        objects = state.chunks_to_save(tokens, computed)
+        if self._config.save_partial_chunks and not decode and computed >= prompt:
             tail = state.tail_to_save(tokens, prompt, exact=True)
             if tail is not None:
                 objects.append(tail)
         objects = [o for o in objects if o.key not in self.quarantine]  # found wrong here
-        verify = state.verifiable(after) if self._sample is not None else []
+        verify = state.verifiable(computed) if self._sample is not None else []
         if objects or verify:
-            saves.append(
-                SaveSpec(
-                    tracked.request.request_id,
+            self._saves.append(
+                PlannedSave(
+                    request_id,
                     tuple(objects),
                     tuple(tracked.block_ids),
                     after_failed_load=tracked.failed_load,
@@ -312,11 +351,18 @@ class VllmScheduler:
                 )
             )
 
+    def take_plan(self) -> StepPlan:
+        """What was planned since the last call: loads accepted, saves (finished requests' first)."""
+        plan = StepPlan(tuple(self._loads), tuple(self._saves))
+        self._loads.clear()
+        self._saves.clear()
+        return plan
+
     # ---- what the worker saw -----------------------------------------------------------
 
-    def update(self, finished_recving: Iterable[str], report: WorkerReport | None) -> None:
-        """Loads that ended (async) and the worker's report of failures."""
-        for rid in finished_recving:
+    def update(self, finished_loads: Iterable[str], report: WorkerReport | None) -> None:
+        """Loads that ended (asynchronous ones), and the worker's report."""
+        for rid in finished_loads:
             tracked = self._requests.get(rid)
             if tracked is not None:
                 tracked.loading = False
@@ -330,14 +376,14 @@ class VllmScheduler:
             if tracked is None or tracked.state is None:
                 continue
             tracked.failed_load = True
-            tracked.state.load_failed_at(token)  # vLLM recomputes from there: save it again
+            tracked.state.load_failed_at(token)  # the engine recomputes from there: save it again
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
-        """Plans the finished request's last saves; True when vLLM must keep its blocks for them."""
+        """Plans the finished request's last saves; True when its blocks must wait for them."""
         tracked = self._requests.pop(request.request_id, None)
         self._lookups.cancel(request.request_id)
         if tracked is None or tracked.state is None or tracked.loading:
-            return False  # a load in flight: the worker drops it, vLLM frees the blocks after
+            return False  # a load in flight: the worker drops it, the blocks are freed after
         if not self._config.connector.save_decode:
             return False
         state = tracked.state
@@ -348,16 +394,18 @@ class VllmScheduler:
             tail = state.tail_to_save(tokens, computed)
             if tail is not None:
                 objects.append(tail)
+        objects = [o for o in objects if o.key not in self.quarantine]
         if not objects:
             return False
-        self._releases.append(
-            SaveSpec(
+        self._saves.insert(
+            0,
+            PlannedSave(
                 request.request_id,
                 tuple(objects),
                 tuple(block_ids),
                 after_failed_load=tracked.failed_load,
                 release=True,
-            )
+            ),
         )
         return True
 

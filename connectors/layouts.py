@@ -1,39 +1,41 @@
-"""vLLM's paged KV caches, read and written as kvtier chunks.
+"""Paged KV caches, read and written as kvtier chunks: the connector's layout adapters.
 
-vLLM 0.32 registers one tensor per attention layer, all with the logical
-shape ``[num_blocks, num_kv_heads, block_size, C]`` (its ``[B, H, N, C]``),
-``C = 2·head_dim``. What ``C`` holds depends on the attention backend::
+The worker side (``worker_side.py``) moves KV only through a :class:`PagedKV`:
+``gather`` a token range out of a request's blocks as a chunk
+``[L, 2, T, H, D]`` (contiguous; the stored format), ``scatter`` one back.
+Token ``p`` of a request whose block table is ``block_ids`` lives in block
+``block_ids[p // block_size]`` at offset ``p % block_size``. One adapter per
+cache layout::
 
-    CUDA backends (FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION), any strides,
-    C contiguous:
-        cache[b, h, n] = K[token] ‖ V[token]           a token's K/V are slices
+    EngineKV      the bundled engine's one tensor [L, 2, blocks, block_size, H, D]
 
-    CPU backend (CPU_ATTN, ISA vec and vec16), contiguous:
-        page cache[b, h] = block_size · 2D elements =
-            Kᵀ [D][block_size]                           a token's K is a column
-            V  [block_size][D]
+    TokenKV       vLLM's CUDA backends (FLASH_ATTN, TRITON_ATTN, FLASHINFER,
+                  FLEX_ATTENTION): per layer [blocks, H, block_size, C], C = 2·head_dim,
+                  cache[b, h, n] = K[token] ‖ V[token]        a token's K/V are slices
+
+    PackedCpuKV   vLLM's CPU backend (CPU_ATTN, ISA vec and vec16), contiguous:
+                  page cache[b, h] = block_size · 2D elements =
+                      Kᵀ [D][block_size]                      a token's K is a column
+                      V  [block_size][D]
 
 (The CPU packing was checked against vLLM's own ``cpu_attn_reshape_and_cache``:
 ``tests/vllm/test_layout_vs_vllm.py``. The AMX ISA packs K and V in VNNI
-tiles instead and is refused.)
+tiles instead and is refused.) A chunk saved by vLLM on a CPU loads into vLLM
+on a GPU or into the bundled engine, and back.
 
-Both are moved to and from kvtier's chunk ``[L, 2, T, H, D]`` (contiguous),
-the stored format the bundled engine uses too: a chunk saved by vLLM on a CPU
-loads into vLLM on a GPU or into the bundled engine, and back. Token ``p`` of
-a request whose block table is ``block_ids`` lives in block
-``block_ids[p // block_size]`` at offset ``p % block_size``.
+**All layers in one operation.** The bundled engine keeps one tensor; vLLM
+allocates the layers of a KV cache group in one buffer at an even spacing,
+which ``TokenKV`` and ``PackedCpuKV`` view as one strided tensor
+(``_layer_stride``), so moving a chunk is one gather or scatter per K and V
+whatever the layer count. Layers that are not evenly spaced are moved one by
+one.
 
-**All layers in one operation.** vLLM allocates the layers of a KV cache group
-in one buffer at an even spacing; each layout then views all layers as one
-strided tensor (``_layer_stride``), so moving a chunk is one gather or scatter
-per K and V whatever the layer count. Layers that are not evenly spaced are
-moved one by one.
-
-The CUDA layout goes through :mod:`kvtier.kernels` (Triton on CUDA, the torch
-reference elsewhere) on a ``[L, 2, blocks, block_size, H, D]`` strided view.
-The CPU layout's K is transposed inside its page (head_dim is not
-contiguous), which those kernels do not take; it is moved here with two-index
-gathers and ``index_put_`` over strided views, checked the same way.
+``EngineKV`` and ``TokenKV`` go through :mod:`kvtier.kernels` (Triton on
+CUDA, the torch reference elsewhere) on ``[L, 2, blocks, block_size, H, D]``
+strided views; on CUDA they also gather-and-quantize and
+dequantize-and-scatter in one kernel. The CPU layout's K is transposed inside
+its page (head_dim is not contiguous), which those kernels do not take; it is
+moved here with copies of whole pages and strided token views.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kvtier.kernels import (
     gather_kv,
     gather_kv_quantized,
     scatter_kv,
+    scatter_kv_dequantized,
     slots_for_tokens,
 )
 
@@ -63,7 +66,7 @@ TOKEN_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The dimensions of vLLM's cache, as registered.
+    """The dimensions of a paged cache, as registered.
 
     Attributes:
         num_layers: Attention layers (L).
@@ -89,10 +92,10 @@ class KVGeometry:
 
 
 class PagedKV(ABC):
-    """vLLM's per-layer caches, moved as whole chunks ``[L, 2, T, H, D]``.
+    """An engine's paged cache, moved as whole chunks ``[L, 2, T, H, D]``.
 
     The caller owns the cache tensors; a layout only views them. Not
-    thread-safe: call it from the thread that runs vLLM's forward pass.
+    thread-safe: call it from the thread that runs the engine's forward pass.
     Errors: :class:`~kvtier.kernels.KernelInputError` for a bad block table,
     range or chunk; nothing is written then.
     """
@@ -112,6 +115,13 @@ class PagedKV(ABC):
     ) -> QuantizedChunk | None:
         """The same tokens gathered and quantized on the device, or None where that is not fused."""
         return None
+
+    def scatter_quantized(
+        self, data: torch.Tensor, scales: torch.Tensor, block_ids: Sequence[int], start: int
+    ) -> bool:
+        """Dequantizes and scatters on the device in one step; False where that is not fused
+        (the caller dequantizes and calls ``scatter``)."""
+        return False
 
 
 def _layer_stride(tensors: Sequence[torch.Tensor]) -> int | None:
@@ -181,8 +191,101 @@ def _check_chunk(chunk: torch.Tensor, geom: KVGeometry) -> int:
     return int(t)
 
 
-class TokenKV(PagedKV):
-    """The CUDA backends' cache: ``C`` = a token's K ‖ V (see the module docstring).
+class StridedKV(PagedKV):
+    """Caches viewed as ``[L, 2, blocks, block_size, H, D]`` strided tensors (kernels' layout).
+
+    ``_views`` holds ``(first layer, last layer + 1, view)``: one view for the
+    whole cache when its layers are evenly spaced, else one per layer.
+    """
+
+    _views: list[tuple[int, int, torch.Tensor]]
+
+    @property
+    def num_views(self) -> int:
+        """Strided views the layers are moved through (1 when evenly spaced)."""
+        return len(self._views)
+
+    def _slots(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        g = self.geometry
+        return slots_for_tokens(list(block_ids), g.block_size, start, num_tokens, device=g.device)
+
+    def _fused(self) -> torch.Tensor | None:
+        """The one view, where quantization fuses into the move (CUDA), else None."""
+        if len(self._views) != 1 or self.geometry.device.type != "cuda":
+            return None
+        return self._views[0][2]
+
+    def gather(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
+        slots = self._slots(block_ids, start, num_tokens)
+        if len(self._views) == 1:
+            return gather_kv(self._views[0][2], slots)
+        out = torch.empty(
+            self.geometry.chunk_shape(num_tokens), dtype=self.geometry.dtype, device=slots.device
+        )
+        for lo, hi, view in self._views:
+            out[lo:hi] = gather_kv(view, slots)
+        return out
+
+    def gather_quantized(
+        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: str
+    ) -> QuantizedChunk | None:
+        view = self._fused()
+        if view is None:
+            return None
+        return gather_kv_quantized(view, self._slots(block_ids, start, num_tokens), encoding)
+
+    def scatter(self, chunk: torch.Tensor, block_ids: Sequence[int], start: int) -> None:
+        t = _check_chunk(chunk, self.geometry)
+        slots = self._slots(block_ids, start, t)
+        chunk = chunk.to(self.geometry.device, non_blocking=True).contiguous()
+        for lo, hi, view in self._views:
+            scatter_kv(chunk[lo:hi], view, slots)
+
+    def scatter_quantized(
+        self, data: torch.Tensor, scales: torch.Tensor, block_ids: Sequence[int], start: int
+    ) -> bool:
+        view = self._fused()
+        if view is None:
+            return False
+        device = self.geometry.device
+        slots = self._slots(block_ids, start, int(data.shape[2]))
+        scatter_kv_dequantized(
+            data.to(device).contiguous(), scales.to(device).contiguous(), view, slots
+        )
+        return True
+
+
+class EngineKV(StridedKV):
+    """The bundled engine's cache: one tensor ``[L, 2, blocks, block_size, H, D]``.
+
+    Args:
+        kv_cache: The engine's cache (``engine/kv_cache.py``).
+
+    Raises:
+        ConfigError: if ``kv_cache`` is not 6-D.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ConfigError(
+                f"the engine's KV cache must be [L, 2, blocks, block_size, H, D], got "
+                f"{tuple(kv_cache.shape)}"
+            )
+        num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        self.geometry = KVGeometry(
+            num_layers,
+            num_blocks,
+            num_kv_heads,
+            block_size,
+            head_dim,
+            kv_cache.dtype,
+            kv_cache.device,
+        )
+        self._views = [(0, num_layers, kv_cache)]
+
+
+class TokenKV(StridedKV):
+    """vLLM's CUDA backends' cache: ``C`` = a token's K ‖ V (see the module docstring).
 
     Each layer ``[NB, H, BS, 2D]`` (strides ``sB, sH, sN, 1``) is viewed as
     ``[2, NB, BS, H, D]`` with strides ``D, sB, sN, sH, 1`` — K at ``c < D``,
@@ -224,42 +327,6 @@ class TokenKV(PagedKV):
                 (i, i + 1, t.as_strided((1, 2, *inner), (1, head_dim, sb, sn, sh, 1)))
                 for i, t in enumerate(layers)
             ]
-
-    @property
-    def num_views(self) -> int:
-        """Strided views the layers are moved through (1 when evenly spaced)."""
-        return len(self._views)
-
-    def _slots(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
-        g = self.geometry
-        return slots_for_tokens(list(block_ids), g.block_size, start, num_tokens, device=g.device)
-
-    def gather(self, block_ids: Sequence[int], start: int, num_tokens: int) -> torch.Tensor:
-        slots = self._slots(block_ids, start, num_tokens)
-        if len(self._views) == 1:
-            return gather_kv(self._views[0][2], slots)
-        out = torch.empty(
-            self.geometry.chunk_shape(num_tokens), dtype=self.geometry.dtype, device=slots.device
-        )
-        for lo, hi, view in self._views:
-            out[lo:hi] = gather_kv(view, slots)
-        return out
-
-    def gather_quantized(
-        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: str
-    ) -> QuantizedChunk | None:
-        if len(self._views) != 1 or self.geometry.device.type != "cuda":
-            return None
-        return gather_kv_quantized(
-            self._views[0][2], self._slots(block_ids, start, num_tokens), encoding
-        )
-
-    def scatter(self, chunk: torch.Tensor, block_ids: Sequence[int], start: int) -> None:
-        t = _check_chunk(chunk, self.geometry)
-        slots = self._slots(block_ids, start, t)
-        chunk = chunk.to(self.geometry.device).contiguous()
-        for lo, hi, view in self._views:
-            scatter_kv(chunk[lo:hi], view, slots)
 
 
 class PackedCpuKV(PagedKV):

@@ -1,5 +1,9 @@
 """Which stored objects make up a request's longest stored prefix, at block granularity.
 
+Shared by the connector (lookups, save plans), the router (matching a prompt
+against every engine's keys) and the engine's KV events; it imports nothing
+but :mod:`kvtier.keys`.
+
 Objects are chunk-sized or shorter (see ``kvtier.keys.PrefixKeys``)::
 
     tokens   0        C        2C       3C            (C = chunk size, B = block)
@@ -66,17 +70,20 @@ def object_ref(keys: PrefixKeys, start: int, end: int) -> ObjectRef:
     return ObjectRef(start, end, keys.key(end))
 
 
-def longest_stored_prefix(keys: PrefixKeys, limit: int, present: Sequence[bool]) -> StoredPrefix:
+def longest_stored_prefix(
+    keys: PrefixKeys, limit: int, present: Sequence[bool], step: int | None = None
+) -> StoredPrefix:
     """The prefix made of stored objects, given which lookup keys are present.
 
     Args:
         keys: The request's keys.
         limit: Look no further than this many tokens.
-        present: For each end of ``keys.lookup_ends(limit)``, whether an
+        present: For each end of ``keys.lookup_ends(limit, step)``, whether an
             object ending there is stored.
+        step: Granularity of the lookup (default: the keys' ``block_tokens``).
     """
     chunk = keys.namespace.chunk_size
-    ends = keys.lookup_ends(limit)
+    ends = keys.lookup_ends(limit, step)
     found = {end for end, p in zip(ends, present, strict=True) if p}
     objects: list[ObjectRef] = []
     start = 0

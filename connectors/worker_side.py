@@ -1,36 +1,34 @@
-"""The vLLM connector's worker side: places loads into vLLM's cache, gathers saves out of it.
+"""The connector's worker side: places loads into an engine's cache, gathers saves out of it.
 
-Runs in vLLM's worker process, on the thread that runs the forward pass.
-It does what the scheduler side planned (``StepPlan``) and reports back::
+Runs on the thread that runs the engine's forward pass and does what the
+scheduler side planned (``plan.py``), through the cache's layout adapter
+(``layouts.py``: the bundled engine's, vLLM's CPU and CUDA ones)::
 
-    start_load_kv   each LoadSpec becomes a LoadJob (load_job.py): its objects fetched on a
+    start_loads     each PlannedLoad becomes a LoadJob (load_job.py): its objects fetched on a
                     bounded pool of I/O threads, one deadline (connector.load_timeout_s)
                     sync:  placed now, before the forward pass reads the blocks
-                    async: placed by get_finished, step after step, as groups arrive
-    wait_for_save   each SaveSpec: gather the objects out of vLLM's cache (a copy: the
+                    async: placed by ``finished``, step after step, as groups arrive
+    save            each PlannedSave: gather the objects out of the cache (a copy: the
                     blocks may be reused once the step ends) ─► ChunkSaver thread
                     (quantize, encode, store.put); its ``verify`` objects likewise
                     ─► ChunkVerifier thread (fetch the stored block, compare; a wrong
                     one is deleted from every tier and its key reported back)
-    get_finished    async loads that ended ─► finished_recving; finished requests whose
-                    last saves were gathered ─► finished_sending (vLLM frees their blocks)
-    get_block_ids_with_load_errors
-                    every block from the first token a load did not place to the end of
-                    what it was to place: vLLM recomputes from that block
+    finished        asynchronous loads that ended (their LoadResults in ``take_results``);
+                    finished requests whose last saves were gathered
+    report          failed loads, stuck load threads, bad keys ─► the scheduler side
 
 Placing decodes each fetched block for the key it was fetched under, checks
-it holds exactly the object's tokens, dequantizes it if it was stored
-quantized, and scatters the tokens through the cache layout
-(``vllm_layout.py``). The first missing, corrupt or late object ends the
-load: what came before it stays, what follows is reported failed and
-recomputed — a failed block is never served.
+it holds exactly the object's tokens, and scatters the window of it the load
+needs through the layout (dequantized on the way when it was stored
+quantized; fused on the device where the layout can). The first missing,
+corrupt or late object ends the load: what came before it stays, what
+follows is recomputed by the engine — a failed block is never served.
 
 **One load per request, all layers at once.** Objects hold every layer of
 their tokens (the stored format), so a load cannot be pipelined layer by
-layer against the forward pass: ``wait_for_layer_load`` and ``save_kv_layer``
-have nothing to do. What a hit leaves to compute is at most a chunk, so the
-forward pass after a load is short; the load itself is what takes time, and
-it runs before (sync) or beside (async) vLLM's steps.
+layer against the forward pass. What a hit leaves to compute is at most a
+chunk, so the forward pass after a load is short; the load itself is what
+takes time, and it runs before (sync) or beside (async) the engine's steps.
 """
 
 from __future__ import annotations
@@ -39,42 +37,52 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.block import BlockSpec, Compression, Encoding, decode_block
 from kvtier.config import KvtierConfig
+from kvtier.connectors.layouts import PagedKV
 from kvtier.connectors.load_job import Fetcher, LoadJob, Placed, PlaceFn
-from kvtier.connectors.prefix import ObjectRef
-from kvtier.connectors.saver import ChunkSaver
-from kvtier.connectors.verify import ChunkVerifier, Quarantine
-from kvtier.connectors.vllm_layout import PagedKV
-from kvtier.connectors.vllm_plan import Counters, LoadSpec, SaveSpec, StepPlan, WorkerReport
+from kvtier.connectors.plan import (
+    Counters,
+    LoadResult,
+    PlannedLoad,
+    PlannedSave,
+    WorkerReport,
+)
+from kvtier.connectors.saver import ChunkSaver, SaveStats
+from kvtier.connectors.verify import ChunkVerifier, Quarantine, VerifyStats
 from kvtier.errors import CorruptBlockError
 from kvtier.kernels import KernelInputError, dequantize_chunk
 from kvtier.metrics import StoreMetrics
+from kvtier.prefix import ObjectRef
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)
 
 _SYNC_POLL_S = 0.05  # longest wait between checks of a synchronous load (the fetch wakes it)
+_LAST_ERRORS = 10
 
 
 @dataclass
 class _Load:
     job: LoadJob
-    spec: LoadSpec
+    spec: PlannedLoad
     started: float  # perf_counter
 
 
-class VllmWorker:
+class ConnectorWorker:
     """The worker side (see the module docstring).
 
     Args:
         config: kvtier's configuration.
         store: Where loads come from and saves go.
-        counters: Where to count (handed to vLLM's stats).
+        counters: Where to count.
         metrics: kvtier's metrics.
+        fetcher: The I/O threads loads run on (default: its own pool).
+        quarantine: Where the verifier puts keys it found wrong (default: its own;
+            they reach the scheduler side through ``report`` either way).
     """
 
     def __init__(
@@ -84,13 +92,16 @@ class VllmWorker:
         store: TieredStore,
         counters: Counters,
         metrics: StoreMetrics,
+        fetcher: Fetcher | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self._config = config
         self._counters = counters
         self._metrics = metrics
         cc = config.connector
         self._encoding = Encoding.parse(config.block.encoding)
-        self._fetcher = Fetcher(store, cc.load_workers)
+        self._owns_fetcher = fetcher is None
+        self.fetcher = fetcher if fetcher is not None else Fetcher(store, cc.load_workers)
         self._saver = ChunkSaver(
             store,
             encoding=self._encoding,
@@ -99,35 +110,42 @@ class VllmWorker:
             metrics=metrics,
         )
         self._store = store
+        self._quarantine = quarantine
         self._verifier: ChunkVerifier | None = None  # started by the first object to verify
         self._bad_keys: list[bytes] = []  # found wrong, not yet reported (verifier's thread)
         self._bad_lock = threading.Lock()
         self._layout: PagedKV | None = None
-        self._spec: BlockSpec | None = None
+        self.spec: BlockSpec | None = None
+        """What a stored block of this cache must look like (after ``register``)."""
         self._jobs: dict[str, _Load] = {}  # asynchronous loads in flight
+        self._results: list[LoadResult] = []  # ended, not yet taken
         self._errors: set[int] = set()  # failed blocks not yet reported
         self._failed: dict[str, int] = {}  # request -> first token its load did not place
         self._new_failures: dict[str, int] = {}  # not yet in a WorkerReport
         self._released: set[str] = set()  # finished requests whose last saves were gathered
         self._recent_finished: tuple[set[str], set[str]] = (set(), set())
         self._reported_stuck = False
+        self.last_errors: list[str] = []
+        """Why the last few loads ended early (newest last)."""
+        self.on_saved: Callable[[bytes], None] | None = None
+        """Told the key of every object queued for saving (the bundled engine's KV events)."""
 
     def register(self, layout: PagedKV) -> None:
-        """vLLM's caches, through their layout."""
+        """The engine's caches, through their layout."""
         g = layout.geometry
         self._layout = layout
-        self._spec = BlockSpec(
+        self.spec = BlockSpec(
             g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, max_tokens=self._config.chunk_size
         )
 
     # ---- loads ---------------------------------------------------------------------------
 
-    def start_loads(self, plan: StepPlan) -> None:
-        """Starts this step's loads; synchronous ones are placed before returning."""
+    def start_loads(self, loads: Iterable[PlannedLoad]) -> None:
+        """Starts these loads; synchronous ones are placed before returning (see ``take_results``)."""
         if self._layout is None:
             return
         deadline = time.monotonic() + self._config.connector.load_timeout_s
-        for spec in plan.loads:
+        for spec in loads:
             job = LoadJob(
                 request_id=spec.request_id,
                 start=spec.start,
@@ -140,11 +158,11 @@ class VllmWorker:
             if not spec.objects:
                 job.error = "nothing to load"
                 job.done = True
-            elif self._fetcher.saturated:
+            elif self.fetcher.saturated:
                 job.error = "every load thread is held by a stuck tier"
                 job.done = True
             else:
-                job.begin(self._fetcher)
+                job.begin(self.fetcher)
             if spec.sync:
                 self._run(load)
                 self._finish(load)
@@ -156,13 +174,13 @@ class VllmWorker:
         job = load.job
         place = self._place_fn(load.spec)
         while not job.advance(place):
-            self._fetcher.wakeup.clear()
-            if job.groups and job.groups[0][1].done():
+            self.fetcher.wakeup.clear()
+            if job.ready():
                 continue
             left = job.deadline - time.monotonic()
-            self._fetcher.wakeup.wait(min(_SYNC_POLL_S, max(0.0, left)))
+            self.fetcher.wakeup.wait(min(_SYNC_POLL_S, max(0.0, left)))
 
-    def _place_fn(self, spec: LoadSpec) -> PlaceFn:
+    def _place_fn(self, spec: PlannedLoad) -> PlaceFn:
         def place(
             blocks: Sequence[bytes | None], objects: Sequence[ObjectRef], lo: int, hi: int
         ) -> Placed:
@@ -173,14 +191,15 @@ class VllmWorker:
 
     def _place(
         self,
-        spec: LoadSpec,
+        spec: PlannedLoad,
         blocks: Sequence[bytes | None],
         objects: Sequence[ObjectRef],
         lo: int,
         hi: int,
     ) -> Placed:
         """Decodes and scatters tokens ``[lo, hi)`` of ``objects``; stops at the first bad one."""
-        assert self._layout is not None and self._spec is not None
+        layout, expect = self._layout, self.spec
+        assert layout is not None and expect is not None
         placed_to, nbytes = lo, 0
         for block, obj in zip(blocks, objects, strict=True):
             a, b = max(placed_to, obj.start), min(hi, obj.end)
@@ -190,8 +209,11 @@ class VllmWorker:
             if block is None:
                 return Placed(placed_to - lo, nbytes, f"{where} is missing")
             try:
-                decoded = decode_block(block, key=obj.key, expect=self._spec, verify=False)
+                decoded = decode_block(block, key=obj.key, expect=expect, verify=False)
             except CorruptBlockError as e:
+                # NOTE: the store already checked checksums and keys and deleted what
+                # failed; what is left here is a header that lies about its size or
+                # layout (an lz4 size beyond the chunk): counted, recomputed.
                 self._metrics.count_corrupt("load", e.reason)
                 return Placed(placed_to - lo, nbytes, f"{where} is invalid: {e}")
             if decoded.header.num_tokens != obj.num_tokens:
@@ -203,12 +225,16 @@ class VllmWorker:
                 )
             window = slice(a - obj.start, b - obj.start)
             payload = decoded.payload[:, :, window]
-            if decoded.scales is not None:
-                payload = dequantize_chunk(
-                    payload, decoded.scales[:, :, window], decoded.header.kv_dtype
-                )
             try:
-                self._layout.scatter(payload, spec.block_ids, a)
+                if decoded.scales is None:
+                    layout.scatter(payload, spec.block_ids, a)
+                elif not layout.scatter_quantized(
+                    payload, decoded.scales[:, :, window], spec.block_ids, a
+                ):
+                    kv = dequantize_chunk(
+                        payload, decoded.scales[:, :, window], decoded.header.kv_dtype
+                    )
+                    layout.scatter(kv, spec.block_ids, a)
             except KernelInputError as e:
                 return Placed(placed_to - lo, nbytes, f"{where} does not fit the cache: {e}")
             nbytes += len(block)
@@ -216,7 +242,7 @@ class VllmWorker:
         return Placed(placed_to - lo, nbytes)
 
     def _finish(self, load: _Load) -> None:
-        """Counts an ended load; a short one reports its unplaced blocks as failed."""
+        """Counts an ended load; a short one is remembered as failed from its first unplaced token."""
         job, spec = load.job, load.spec
         seconds = time.perf_counter() - load.started
         self._counters.load_took(seconds)
@@ -225,38 +251,57 @@ class VllmWorker:
         self._counters.add("loaded_tokens", job.placed)
         self._counters.add("loaded_bytes", job.nbytes)
         self._metrics.load_tokens.labels("loaded").inc(job.placed)
-        if job.placed >= wanted:
-            return
-        first_bad = spec.start + job.placed
-        bs = self._layout.geometry.block_size if self._layout is not None else 1
-        bad = spec.block_ids[first_bad // bs : math.ceil(spec.end / bs)]
-        self._errors.update(bad)
-        self._failed[spec.request_id] = first_bad
-        self._new_failures[spec.request_id] = first_bad
-        self._counters.add("load_failures")
-        self._counters.add("failed_tokens", wanted - job.placed)
-        self._metrics.load_tokens.labels("failed").inc(wanted - job.placed)
-        log.info(
-            "kvtier load for %s: %d of %d tokens (%s); vLLM recomputes from token %d",
-            spec.request_id,
-            job.placed,
-            wanted,
-            job.error,
-            (first_bad // bs) * bs,
-        )
+        result = LoadResult(spec.request_id, spec.start, spec.end, job.placed)
+        if job.placed < wanted:
+            result = LoadResult(spec.request_id, spec.start, spec.end, job.placed, job.error)
+            first_bad = spec.start + job.placed
+            bs = self._layout.geometry.block_size if self._layout is not None else 1
+            self._errors.update(spec.block_ids[first_bad // bs : math.ceil(spec.end / bs)])
+            self._failed[spec.request_id] = first_bad
+            self._new_failures[spec.request_id] = first_bad
+            self._counters.add("load_failures")
+            self._counters.add("failed_tokens", wanted - job.placed)
+            self._metrics.load_tokens.labels("failed").inc(wanted - job.placed)
+            self.last_errors = [
+                *self.last_errors[1 - _LAST_ERRORS :],
+                f"{spec.request_id}: {job.error}",
+            ]
+            log.info(
+                "kvtier load for %s: %d of %d tokens (%s); the engine recomputes from token %d",
+                spec.request_id,
+                job.placed,
+                wanted,
+                job.error,
+                (first_bad // bs) * bs,
+            )
+        self._results.append(result)
+
+    def take_results(self) -> list[LoadResult]:
+        """Loads that ended since the last call (synchronous ones included)."""
+        results, self._results = self._results, []
+        return results
 
     def take_load_errors(self) -> set[int]:
-        """Blocks that failed to load since the last call (vLLM recomputes them)."""
+        """Blocks that failed to load since the last call (the engine recomputes them)."""
         errors, self._errors = self._errors, set()
         return errors
 
+    def loads_ready(self) -> bool:
+        """Whether an asynchronous load has something to place, or is past its deadline."""
+        return any(load.job.ready() for load in self._jobs.values())
+
+    @property
+    def num_loading(self) -> int:
+        """Asynchronous loads in flight."""
+        return len(self._jobs)
+
     # ---- saves ---------------------------------------------------------------------------
 
-    def save(self, plan: StepPlan) -> None:
-        """Gathers this step's saves out of the cache and queues them for the saver thread."""
+    def save(self, saves: Iterable[PlannedSave]) -> None:
+        """Gathers these saves out of the cache and queues them for the saver thread."""
         if self._layout is None:
             return
-        for spec in plan.saves:
+        for spec in saves:
             if spec.request_id in self._failed and not spec.after_failed_load:
                 # computed on top of blocks a failed load never wrote: neither stored nor compared
                 self._counters.add("dropped_saves", len(spec.objects))
@@ -268,14 +313,14 @@ class VllmWorker:
             if spec.release:
                 self._released.add(spec.request_id)
 
-    def _verify_object(self, spec: SaveSpec, obj: ObjectRef) -> None:
-        """Hands what vLLM computed for a stored object to the verifier (a copy)."""
-        assert self._layout is not None and self._spec is not None
+    def _verify_object(self, spec: PlannedSave, obj: ObjectRef) -> None:
+        """Hands what the engine computed for a stored object to the verifier (a copy)."""
+        assert self._layout is not None and self.spec is not None
         if self._verifier is None:
             self._verifier = ChunkVerifier(
                 self._store,
-                spec=self._spec,
-                quarantine=Quarantine(),
+                spec=self.spec,
+                quarantine=self._quarantine if self._quarantine is not None else Quarantine(),
                 metrics=self._metrics,
                 max_queue=self._config.connector.save_queue,
                 fetch_timeout_s=self._config.connector.load_timeout_s,
@@ -298,7 +343,17 @@ class VllmWorker:
         """The verifier (once an object was handed to it)."""
         return self._verifier
 
-    def _save_object(self, spec: SaveSpec, obj: ObjectRef) -> None:
+    @property
+    def verify_stats(self) -> VerifyStats:
+        """What sampled verification found (all zero before it checked anything)."""
+        return self._verifier.stats if self._verifier is not None else VerifyStats()
+
+    @property
+    def save_stats(self) -> SaveStats:
+        """What the background saver did."""
+        return self._saver.stats
+
+    def _save_object(self, spec: PlannedSave, obj: ObjectRef) -> None:
         layout = self._layout
         assert layout is not None
         dtype = layout.geometry.dtype
@@ -322,34 +377,44 @@ class VllmWorker:
             )
             queued = False
         self._counters.add("saved_chunks" if queued else "dropped_saves")
+        if queued and self.on_saved is not None:
+            self.on_saved(obj.key)
 
     # ---- per step --------------------------------------------------------------------------
 
-    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
-        """(requests whose last saves were gathered, asynchronous loads that ended)."""
+    def finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        """Advances asynchronous loads; (requests whose last saves were gathered, loads that ended).
+
+        A load of a request in ``finished_req_ids`` is abandoned, never placed
+        (its blocks are about to be freed). The ``LoadResult`` of each load
+        that ended is in ``take_results``.
+        """
         finished = set(finished_req_ids)
         recent = self._recent_finished[1] | finished
         self._recent_finished = (self._recent_finished[1], finished)
-        recvd: set[str] = set()
+        recvd = finished & self._jobs.keys()  # ended while loading: reported, never placed
+        self.abandon(finished)
         for rid, load in list(self._jobs.items()):
-            if rid in finished:  # ended while loading: never place into blocks being freed
-                load.job.abandon()
-                del self._jobs[rid]
-                recvd.add(rid)
-                continue
             if load.job.advance(self._place_fn(load.spec)):
                 del self._jobs[rid]
                 self._finish(load)
                 recvd.add(rid)
         sent = self._released & recent
         self._released -= sent
-        for rid in finished:
-            self._failed.pop(rid, None)
         return sent, recvd
 
+    def abandon(self, request_ids: Iterable[str]) -> None:
+        """These requests ended: their loads in flight are dropped, never placed (their blocks
+        are about to be freed), and what was remembered of them is forgotten."""
+        for rid in request_ids:
+            load = self._jobs.pop(rid, None)
+            if load is not None:
+                load.job.abandon()
+            self._failed.pop(rid, None)
+
     def report(self) -> WorkerReport | None:
-        """Failed loads since the last report, and the load threads' state when it changed."""
-        stuck = self._fetcher.saturated
+        """Failed loads since the last report, bad keys, and the load threads' state when it changed."""
+        stuck = self.fetcher.saturated
         with self._bad_lock:
             bad, self._bad_keys = tuple(self._bad_keys), []
         if not self._new_failures and stuck == self._reported_stuck and not bad:
@@ -375,4 +440,5 @@ class VllmWorker:
         self._saver.close(timeout=30.0)
         if self._verifier is not None:
             self._verifier.close(timeout=30.0)
-        self._fetcher.shutdown()
+        if self._owns_fetcher:
+            self.fetcher.shutdown()
