@@ -40,7 +40,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned ac
 #define TK 64           /* keys per tile (4 vectors) */
 #define TQ 32           /* queries per item */
 #define NV (TK / 16)    /* vectors per row of scores */
-#define R 4             /* rows per register block */
+#define R 6             /* rows per register block: 24 accumulators + 4 loads + 1 broadcast */
 #define MASKED (-1e30f) /* a masked score: exp(MASKED - m) is 0 */
 
 static inline v16 ld(const float *p) { return *(const v16u *)p; }
@@ -157,8 +157,10 @@ static void run_item(const float *q, int64_t q_stride, float *out, const float *
             }
             l[r] = l[r] * corr + sum;
             m[r] = m_new;
-            float *orow = o + r * d;
-            for (int64_t e = 0; e < d; e++) orow[e] *= corr;
+            if (corr != 1.0f) { /* the running max moved: rescale what was summed so far */
+                float *orow = o + r * d;
+                for (int64_t e = 0; e < d; e++) orow[e] *= corr;
+            }
         }
         for (int64_t r = 0; r < rows_r; r += R) {
             int64_t e0 = 0;

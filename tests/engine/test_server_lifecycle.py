@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -200,13 +201,22 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny: Path, tmp_path: Pa
     try:
         assert proc.stderr is not None
         url = None
+        announced = []
         deadline = time.monotonic() + 120
         while url is None and time.monotonic() < deadline:
             line = proc.stderr.readline()
             assert line, "server exited before serving"
+            announced.append(line)
             if " on http://" in line:
                 url = line.split(" on ", 1)[1].split()[0]
         assert url is not None
+        # the KV capacity in tokens and the concurrency it allows, as vLLM prints them
+        capacity = next(x for x in announced if x.startswith("KV cache: "))
+        m = re.search(r"([\d,]+) tokens .* for ([\d,]+) tokens per request: ([\d.]+)x", capacity)
+        assert m is not None, capacity
+        tokens, max_len = (int(g.replace(",", "")) for g in m.groups()[:2])
+        assert tokens % 16 == 0 and max_len <= tokens
+        assert float(m.group(3)) == pytest.approx(tokens / max_len, abs=0.01)
         events: list[Any] = []
         first = threading.Event()
 
