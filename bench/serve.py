@@ -58,6 +58,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -199,6 +200,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sy.add_argument("--max-model-len", type=int, default=3072)
     sy.add_argument(
         "--threads", type=int, default=None, help="kvtier engine threads (default: all cores)"
+    )
+    sy.add_argument(
+        "--kvtier-args",
+        default="",
+        help="more `kvtier engine serve` flags for the kvtier systems, e.g. '--step-target off'",
     )
     sy.add_argument(
         "--vllm-omp-threads",
@@ -425,6 +431,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 slow_get_ms=args.slow_get_ms,
                 max_model_len=args.max_model_len,
                 threads=args.threads,
+                kvtier_args=tuple(shlex.split(args.kvtier_args)),
                 vllm_omp_threads=args.vllm_omp_threads,
                 vllm_venv=args.vllm_venv,
                 vllm_model_dir=args.vllm_model_dir.expanduser() if args.vllm_model_dir else None,

@@ -25,7 +25,12 @@ requests, and stopped. The probes (``--samples`` each, medians):
   (kvtier's API process; vLLM's API server) over the decode probes, divided
   by the tokens it streamed.
 
-CPU times come from ``/proc/<pid>/stat`` (utime + stime). A table, then one
+CPU times come from ``/proc/<pid>/stat`` (utime + stime). ``--clock cpu``
+(for a host that others share) runs each engine on one thread and reports
+the cold prefill and the decode steps in CPU seconds of the processes that
+run the model (kvtier's engine core; vLLM's worker): each decode
+probe prefills its prompts first, then counts the CPU time and steps from
+the moment every stream has its second token to the end. A table, then one
 JSON object as the last line.
 """
 
@@ -187,6 +192,19 @@ class Probe:
                 t += gap
         return longest, inj.ttft_s
 
+    def engine_cpu(self) -> float:
+        """CPU seconds of the processes that run the model: kvtier's engine core (which
+        also schedules), vLLM's workers.
+
+        NOTE: not vLLM's engine core: it waits for the workers' results by polling,
+        so its CPU time grows with the wait, not with the work.
+        """
+        if self.engine == "vllm":
+            pids = [p for p, n in descendants(self.pid).items() if "Worker" in n]
+        else:
+            pids = self.processes()[1]
+        return sum(cpu_seconds(p) for p in pids)
+
     def processes(self) -> tuple[list[int], list[int]]:
         """(API process PIDs, scheduler process PIDs)."""
         kids = descendants(self.pid)
@@ -212,6 +230,57 @@ class Probe:
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+async def _decode_window(
+    probe: Probe, batch: list[list[dict[str, str]]], tokens: int
+) -> tuple[float, float, float, float]:
+    """Streams ``batch`` at once; (engine CPU s, steps) read once every stream has its second
+    token and again when all are done."""
+    ready = asyncio.Semaphore(0)
+
+    async def one(messages: list[dict[str, str]]) -> None:
+        payload = chat_payload("smollm2", messages, tokens)
+        async with (
+            httpx.AsyncClient(timeout=600.0, trust_env=False) as client,
+            client.stream("POST", probe.url, json=payload) as resp,
+        ):
+            seen = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and '"content":"' in line.replace(" ", ""):
+                    seen += 1
+                    if seen == 2:
+                        ready.release()
+
+    tasks = [asyncio.create_task(one(m)) for m in batch]
+    for _ in batch:
+        await ready.acquire()
+    cpu0, steps0 = probe.engine_cpu(), await asyncio.to_thread(probe.steps)
+    await asyncio.gather(*tasks)
+    return cpu0, steps0, probe.engine_cpu(), await asyncio.to_thread(probe.steps)
+
+
+def profile_cpu(probe: Probe, samples: int) -> dict[str, Any]:
+    """The probes in CPU seconds of the engine's processes (one thread each), for a shared host."""
+    probe.one(probe.text(600), 4)  # warm-up
+    cold = []
+    for _ in range(samples):
+        c0 = probe.engine_cpu()
+        probe.cold_prefill_s()
+        cold.append(probe.engine_cpu() - c0)
+    out: dict[str, Any] = {"cold_prefill_s": median(cold)}
+    out["prefill_tokens_per_s"] = probe.args.prompt_tokens / median(cold) if cold else None
+    for b in (1, 6):
+        per_step = []
+        for _ in range(samples):
+            batch = [probe.text(probe.args.context_tokens) for _ in range(b)]
+            for m in batch:  # prefilled once first: the timed decode starts from the cache
+                probe.one(m, 1)
+            c0, s0, c1, s1 = asyncio.run(_decode_window(probe, batch, probe.args.decode_tokens))
+            if s1 > s0:
+                per_step.append((c1 - c0) / (s1 - s0))
+        out[f"decode_step_b{b}_s"] = median(per_step)
+    return out
 
 
 def profile(probe: Probe, samples: int) -> dict[str, Any]:
@@ -257,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--skip-gaps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="kvtier engine threads")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: one thread per engine, figures in CPU seconds of the engine's processes",
+    )
     args = ap.parse_args(argv)
     if args.samples is None:
         args.samples = 2 if args.quick else 3
@@ -281,7 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     from serve import token_counter
 
     maker = TextMaker(token_counter("smollm2"))
-    opts = SystemOptions(dtype=args.dtype, threads=args.threads)
+    cpu_clock = args.clock == "cpu"
+    opts = SystemOptions(
+        dtype=args.dtype,
+        threads=1 if cpu_clock else args.threads,
+        vllm_omp_threads=1 if cpu_clock else None,
+    )
     results: dict[str, dict[str, Any]] = {}
     notes: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-serve-profile-"))
@@ -291,13 +371,17 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with running_system(spec, opts, workdir / name) as sys_:
                 probe = Probe(sys_.url, spec.engine, sys_.pid, maker, args)
-                results[name] = profile(probe, args.samples)
+                results[name] = (profile_cpu if cpu_clock else profile)(probe, args.samples)
         except (SystemUnavailable, SystemStartError) as e:
             notes[name] = str(e)
             print(f"  {name} not measured: {e}", flush=True)
     cpu = cpu_flags()
     print(f"\nhost: {cpu['model']}, {os.cpu_count()} CPUs, flags {' '.join(cpu['flags'])}")
-    print(f"dtype {args.dtype}; prompt {args.prompt_tokens} tokens, contexts {args.context_tokens}")
+    print(
+        f"dtype {args.dtype}; prompt {args.prompt_tokens} tokens, contexts "
+        f"{args.context_tokens}; clock {args.clock}"
+        + (" (one thread each, CPU seconds of the model's process)" if cpu_clock else "")
+    )
     names = list(results)
     rows = [
         [label, *[_fmt(results[n].get(key), scale) for n in names]] for label, key, scale in FIGURES
@@ -307,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "bench": "serve_profile",
             "dtype": args.dtype,
+            "clock": args.clock,
             "systems": results,
             "not_measured": notes,
             "machine": {**machine(), "cpu": cpu},

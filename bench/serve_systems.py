@@ -107,6 +107,7 @@ class SystemOptions:
     slow_get_ms: float = 50.0
     max_model_len: int = 3072
     threads: int | None = None
+    kvtier_args: tuple[str, ...] = ()  # more `kvtier engine serve` flags (experiments)
     vllm_omp_threads: int | None = None
     vllm_venv: Path | None = None
     vllm_model_dir: Path | None = None
@@ -362,6 +363,7 @@ def _kvtier(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Ru
             start_timeout_s=opts.start_timeout_s,
             dtype=opts.dtype,
         )
+        server.cmd += list(opts.kvtier_args)
         info["command"] = " ".join(server.cmd[1:])
         stack.enter_context(server)
         yield Running(spec.name, server.url, server.pid, log, info)
