@@ -1,55 +1,45 @@
 """KV block allocation with reference counts and a prefix cache over full blocks (G1).
 
-A block is identified by the chained hash of the tokens it holds::
+A block is identified by the key of the prefix it ends: the request's own
+keys (``Request.prefix_keys``, :class:`kvtier.keys.PrefixKeys` in the
+engine's namespace), computed once per request and read alike by this cache,
+the KV connector and the KV events (``kv_events.py``), as vLLM's
+``request.block_hashes`` are::
 
-    hash_0 = SHA-256(SEED || int32-LE tokens of block 0)
-    hash_i = SHA-256(hash_{i-1} || int32-LE tokens of block i)
+    key(block i) = keys.key((i + 1) * block_size)     a chained SHA-256 over the prefix
 
-so equal hashes mean equal prefixes. A match is also checked against what
+so equal keys mean equal prefixes. A match is also checked against what
 the cache recorded: the block's own tokens, and that its parent is the block
-matched just before it, so even a hash collision is a miss, never another
+matched just before it, so even a key collision is a miss, never another
 prompt's KV. The hash is cryptographic because prompts are chosen by
 clients: with a 64-bit non-cryptographic hash a client could craft a prompt
 whose blocks collide with another tenant's (vLLM moved to SHA-256 for this,
-CVE-2025-25183); hashing costs ~0.3 us per 16-token block. Only full,
-computed blocks are registered. A freed block keeps its hash and contents in an LRU free list
-and can be revived by a later request until it is handed out again.
+CVE-2025-25183). Only full, computed blocks are registered. A freed block
+keeps its key and contents in an LRU free list and can be revived by a later
+request until it is handed out again.
 
     free list (LRU order):  [oldest freed ... most recently freed]
-    allocate()  takes from the left (evicting that block's hash, if any)
+    allocate()  takes from the left (evicting that block's key, if any)
     free()      appends to the right (a request's tail blocks first, so its
                 prefix stays cached longest)
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from kvtier.engine.request import Request
-
-_HASH_SEED = b"kvtier engine prefix cache v2".ljust(32, b"\0")
-
-
-def chain_hash(prev: bytes | None, tokens: list[int]) -> bytes:
-    """Hash of one full block given the hash of the block before it."""
-    h = hashlib.sha256(_HASH_SEED if prev is None else prev)
-    h.update(np.asarray(tokens, dtype="<i4").tobytes())
-    return h.digest()
+from kvtier.keys import CacheNamespace, PrefixKeys
 
 
 class BlockListener(Protocol):
     """Told when the prefix cache gains or loses a block (``kv_events.KvEventRecorder``)."""
 
-    def stored(self, request_id: str, token_ids: list[int], index: int, block_id: int) -> None: ...
+    def stored(self, key: bytes, block_id: int) -> None: ...
 
     def evicted(self, block_id: int) -> None: ...
-
-    def released(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -70,16 +60,25 @@ class BlockManager:
 
     Args:
         num_blocks: Blocks in the KV cache.
-        block_size: Tokens per block.
+        block_size: Tokens per block; must divide the namespace's chunk size.
         enable_prefix_caching: Register and look up full blocks.
+        namespace: Where requests' keys are computed (``connector.keys_namespace``;
+            default: one of the block size alone, for tests of the cache alone).
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        namespace: CacheNamespace | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace or CacheNamespace(
+            "kvtier-engine", "", 1, 1, 1, "float32", chunk_size=block_size
+        )
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[bytes, int] = {}
@@ -109,16 +108,19 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def _request_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The request's chained block hashes, computed once and kept on the request."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(
-                chain_hash(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs])
-            )
-        return hashes
+    def keys_of(self, request: Request, num_tokens: int | None = None) -> PrefixKeys:
+        """The request's keys, made on first sight (its arrival) and grown over its tokens."""
+        keys = request.prefix_keys
+        if keys is None:
+            keys = request.prefix_keys = PrefixKeys(self.namespace, self.block_size)
+        n = request.num_tokens if num_tokens is None else num_tokens
+        if keys.num_tokens < n:
+            keys.extend(request.token_ids[keys.num_tokens : n])
+        return keys
+
+    def _block_key(self, keys: PrefixKeys, index: int) -> bytes:
+        """The key of block ``index``: the key of the prefix it ends."""
+        return keys.key((index + 1) * self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Leading blocks of ``request`` already in the cache (a miss is ``[]``).
@@ -127,13 +129,14 @@ class BlockManager:
         least one token is left to compute. Pure: takes no references.
         """
         if not self.enable_prefix_caching:
+            self.keys_of(request)
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._request_hashes(request, max_blocks)
+        keys = self.keys_of(request)
         bs = self.block_size
         hit: list[int] = []
         for i in range(max_blocks):
-            block_id = self._hash_to_block.get(hashes[i])
+            block_id = self._hash_to_block.get(self._block_key(keys, i))
             if block_id is None:
                 break
             block = self.blocks[block_id]
@@ -222,8 +225,6 @@ class BlockManager:
                 self._num_cached_free += block.hash is not None
         request.block_ids = []
         request.num_cached_blocks = 0
-        if self.listener is not None:
-            self.listener.released(request.request_id)
 
     def cache_blocks(self, request: Request) -> None:
         """Registers ``request``'s newly full, computed blocks in the prefix cache."""
@@ -232,18 +233,18 @@ class BlockManager:
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if full <= request.num_cached_blocks:
             return
-        hashes = self._request_hashes(request, full)
         bs = self.block_size
+        keys = self.keys_of(request, full * bs)
         for i in range(request.num_cached_blocks, full):
             block = self.blocks[request.block_ids[i]]
-            h = hashes[i]
+            h = self._block_key(keys, i)
             if block.hash is None and h not in self._hash_to_block:
                 block.hash = h
                 block.tokens = tuple(request.token_ids[i * bs : (i + 1) * bs])
-                block.parent = self._hash_to_block.get(hashes[i - 1]) if i else None
+                block.parent = self._hash_to_block.get(self._block_key(keys, i - 1)) if i else None
                 self._hash_to_block[h] = block.block_id
                 if self.listener is not None:
-                    self.listener.stored(request.request_id, request.token_ids, i, block.block_id)
+                    self.listener.stored(h, block.block_id)
         request.num_cached_blocks = full
 
     def check_integrity(self, requests: list[Request]) -> None:

@@ -74,6 +74,7 @@ import torch
 
 from kvtier.engine.errors import ConnectorError
 from kvtier.engine.kv_cache import KVCacheLayout
+from kvtier.keys import CacheNamespace, PrefixKeys
 
 # Built-in connector names -> "module:Class".
 CONNECTOR_REGISTRY: dict[str, str] = {
@@ -92,6 +93,10 @@ class ConnectorRequest:
         all_token_ids: Prompt plus tokens generated so far.
         block_ids: The request's block table (may be empty before allocation).
         num_computed_tokens: Leading tokens whose KV is in the paged cache.
+        prefix_keys: The request's keys in ``keys_namespace``, computed once by
+            the engine (its prefix cache is keyed by them; vLLM's
+            ``request.block_hashes``): a connector keying requests in that
+            namespace reads them instead of hashing the prompt again.
     """
 
     request_id: str
@@ -99,6 +104,7 @@ class ConnectorRequest:
     all_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    prefix_keys: PrefixKeys | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +283,29 @@ class NullConnector(KVConnector):
     def save_kv(self, metadata: SaveMetadata) -> None:
         """Drops everything."""
         return None
+
+
+DEFAULT_CHUNK_SIZE = 256
+"""The chunk size of kvtier's default configuration: the namespace of an engine
+whose connector has none (its keys still match a router's)."""
+
+
+def keys_namespace(connector: KVConnector, layout: KVCacheLayout) -> CacheNamespace:
+    """The namespace the engine keys its requests in: its connector's (``namespace``,
+    once ``register_kv_caches`` ran), else one built from the KV layout."""
+    ns = getattr(connector, "namespace", None)
+    if isinstance(ns, CacheNamespace):
+        return ns
+    chunk = -(-DEFAULT_CHUNK_SIZE // layout.block_size) * layout.block_size
+    return CacheNamespace(
+        model_id=layout.model_id,
+        weights_fingerprint=layout.fingerprint,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        kv_dtype=layout.dtype,
+        chunk_size=chunk,
+    )
 
 
 def make_connector(name: str | None, config_path: str | None = None) -> KVConnector:

@@ -6,18 +6,18 @@ Three kinds of event, each a batch of 16-byte keys (``kvtier.keys``):
 * ``evicted``: G1 blocks whose KV was overwritten (the block was handed out again);
 * ``saved``: objects the kvtier connector queued for the shared tier.
 
-NOTE: the keys are kvtier's content addresses, not the block manager's own
-chain: a G1 block ending at token ``e`` is named by
-``PrefixKeys(namespace).key(e)``, the key a tier object ending at ``e``
-would have, so a router computes one set of keys from a prompt and compares
-them with every engine's G1 and with the shared tier alike
-(``docs/router.md``). This is the engine's one import of kvtier's core.
+NOTE: the keys are kvtier's content addresses: a G1 block ending at token
+``e`` is named by the key of the prefix it ends, the key a tier object ending
+at ``e`` would have, so a router computes one set of keys from a prompt and
+compares them with every engine's G1 and with the shared tier alike
+(``docs/router.md``). They are the request's own keys
+(``Request.prefix_keys``), which G1 is keyed by too: nothing is hashed here.
 
 Who runs where::
 
     engine-core process (step thread)              API process
     ---------------------------------              -----------
-    BlockManager ─stored/evicted/released─►        reader thread ─► KvEventLog.append
+    BlockManager ─stored/evicted─►                 reader thread ─► KvEventLog.append
     KvtierConnector ─saved─► KvEventRecorder       (a sequence number per batch, a ring
     publish(): recorder.drain() ─► StepOutputs ─►   of recent batches, the live key set)
                                                    GET /kv_events?after=N ─► KvEventLog.read
@@ -30,18 +30,13 @@ import contextlib
 import threading
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvtier.keys import CacheNamespace, ChunkKey, PrefixKeys
+from kvtier.keys import CacheNamespace
 
 EventKind = Literal["stored", "evicted", "saved"]
 KINDS: tuple[EventKind, ...] = ("stored", "evicted", "saved")
-
-# The chunk size of kvtier's default configuration: the namespace of an engine
-# without a kvtier connector (its G1 keys still match a router's).
-DEFAULT_CHUNK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -52,24 +47,6 @@ class KvEvent:
     keys: tuple[bytes, ...]
 
 
-def namespace_to_json(ns: CacheNamespace) -> dict[str, Any]:
-    """The namespace as JSON (``tenant_salt`` in hex)."""
-    out = {k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(ns).items()}
-    out["tenant_salt"] = ns.tenant_salt.hex()
-    return out
-
-
-def namespace_from_json(data: dict[str, Any]) -> CacheNamespace:
-    """The inverse of ``namespace_to_json``.
-
-    Raises:
-        ValueError, TypeError, KeyError: for a malformed object.
-    """
-    fields = dict(data)
-    fields["tenant_salt"] = bytes.fromhex(str(fields.get("tenant_salt", "")))
-    return CacheNamespace(**fields)
-
-
 class KvEventRecorder:
     """Turns block-manager and connector callbacks into key events (engine-core process).
 
@@ -77,28 +54,18 @@ class KvEventRecorder:
     (the connector's saves are queued there too).
 
     Args:
-        namespace: The engine's namespace (the connector's when it has one).
-        block_size: The engine's tokens per KV block; must divide the chunk size.
+        namespace: The namespace of the engine's keys (its block manager's).
     """
 
-    def __init__(self, namespace: CacheNamespace, block_size: int) -> None:
+    def __init__(self, namespace: CacheNamespace) -> None:
         self.namespace = namespace
-        self.block_size = block_size
-        self._keys: dict[str, PrefixKeys] = {}  # request id -> its keys, while it holds blocks
-        self._block_key: dict[int, ChunkKey] = {}  # G1 block id -> its key
+        self._block_key: dict[int, bytes] = {}  # G1 block id -> its key
         self._pending: list[tuple[EventKind, bytes]] = []
 
     # ---- block manager callbacks ----------------------------------------------------------
 
-    def stored(self, request_id: str, token_ids: list[int], index: int, block_id: int) -> None:
-        """Block ``index`` of a request (tokens ``token_ids``) was registered in G1."""
-        keys = self._keys.get(request_id)
-        if keys is None:
-            keys = self._keys[request_id] = PrefixKeys(self.namespace, self.block_size)
-        end = (index + 1) * self.block_size
-        if keys.num_tokens < end:
-            keys.extend(token_ids[keys.num_tokens : end])
-        key = keys.key(end)
+    def stored(self, key: bytes, block_id: int) -> None:
+        """A block was registered in G1 under ``key`` (the key of the prefix it ends)."""
         self._block_key[block_id] = key
         self._pending.append(("stored", key))
 
@@ -107,10 +74,6 @@ class KvEventRecorder:
         key = self._block_key.pop(block_id, None)
         if key is not None:
             self._pending.append(("evicted", key))
-
-    def released(self, request_id: str) -> None:
-        """A request freed its blocks (finished, aborted or preempted)."""
-        self._keys.pop(request_id, None)
 
     # ---- connector callback ------------------------------------------------------------------
 
@@ -159,7 +122,7 @@ class KvEventPage:
         """The wire format (keys in hex); see ``docs/router.md``."""
         out: dict[str, Any] = {
             "engine_id": self.engine_id,
-            "namespace": namespace_to_json(namespace) if namespace is not None else None,
+            "namespace": namespace.to_json() if namespace is not None else None,
             "block_size": block_size,
             "reset": self.reset,
             "last_seq": self.last_seq,
@@ -265,38 +228,10 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def engine_namespace(engine: Any) -> CacheNamespace:
-    """The namespace an ``LLMEngine``'s events use: its connector's, else one built
-    from its KV layout with kvtier's default chunk size."""
-    ns = getattr(engine.connector, "namespace", None)
-    if isinstance(ns, CacheNamespace):
-        return ns
-    layout = engine.layout
-    chunk = max(DEFAULT_CHUNK_SIZE, layout.block_size)
-    return CacheNamespace(
-        model_id=layout.model_id,
-        weights_fingerprint=layout.fingerprint,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        kv_dtype=layout.dtype,
-        chunk_size=chunk,
-    )
-
-
 def attach_recorder(engine: Any) -> KvEventRecorder:
     """Hooks a recorder into an ``LLMEngine``'s block manager and (if it has the hook) its
-    connector's saves; returns it (the caller drains it after every step).
-
-    Raises:
-        ValueError: when the block size does not divide the namespace's chunk size
-            (block boundaries would have no key).
-    """
-    ns = engine_namespace(engine)
-    block_size = engine.block_manager.block_size
-    if ns.chunk_size % block_size:
-        raise ValueError(f"block size {block_size} does not divide chunk size {ns.chunk_size}")
-    recorder = KvEventRecorder(ns, block_size)
+    connector's saves; returns it (the caller drains it after every step)."""
+    recorder = KvEventRecorder(engine.block_manager.namespace)
     engine.block_manager.listener = recorder
     if hasattr(engine.connector, "on_saved"):
         engine.connector.on_saved = recorder.saved

@@ -20,6 +20,7 @@ from kvtier.engine.connector import (
     RequestLoadResult,
     SaveMetadata,
     SaveSpec,
+    keys_namespace,
     make_connector,
 )
 from kvtier.engine.cpu_kernels import cpu_kernels
@@ -143,7 +144,10 @@ class LLMEngine:
         self._saves_wanted = not isinstance(self.connector, NullConnector)
 
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            keys_namespace(self.connector, self.layout),  # one hash per request
         )
         self.scheduler = Scheduler(
             self.block_manager, self.connector, config.max_num_seqs, config.max_num_batched_tokens

@@ -10,6 +10,7 @@ import torch
 from kvtier.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from kvtier.engine.outputs import FinishReason, TokenLogprob
 from kvtier.engine.sampling_params import SamplingParams
+from kvtier.keys import PrefixKeys
 
 
 class RequestStatus(enum.Enum):
@@ -49,7 +50,8 @@ class Request:
         # KV bookkeeping (scheduler / block manager)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[bytes] = []  # chained hashes of full token blocks
+        # its keys (kvtier.keys.PrefixKeys), computed once: G1, connector and KV events read them
+        self.prefix_keys: PrefixKeys | None = None
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_cached_tokens: int | None = None  # G1 hit at first admission
         self.num_external_tokens = 0

@@ -113,6 +113,7 @@ def connector_view(request: Request) -> ConnectorRequest:
         all_token_ids=request.token_ids,
         block_ids=request.block_ids,
         num_computed_tokens=request.num_computed_tokens,
+        prefix_keys=request.prefix_keys,
     )
 
 

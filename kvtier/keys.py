@@ -30,8 +30,8 @@ import enum
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import NewType, Protocol
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NewType, Protocol
 
 import numpy as np
 import xxhash
@@ -154,6 +154,23 @@ class CacheNamespace:
     def with_tenant(self, salt: bytes | str) -> CacheNamespace:
         """The same namespace isolated for one tenant."""
         return replace(self, tenant_salt=salt.encode() if isinstance(salt, str) else salt)
+
+    def to_json(self) -> dict[str, Any]:
+        """The namespace as JSON (``tenant_salt`` in hex): how an engine announces it."""
+        out = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in asdict(self).items()}
+        out["tenant_salt"] = self.tenant_salt.hex()
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CacheNamespace:
+        """The inverse of ``to_json``.
+
+        Raises:
+            ValueError, TypeError, KeyError, ConfigError: for a malformed object.
+        """
+        fields = dict(data)
+        fields["tenant_salt"] = bytes.fromhex(str(fields.get("tenant_salt", "")))
+        return cls(**fields)
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 
-from kvtier.engine.kv_events import namespace_from_json
 from kvtier.keys import CacheNamespace
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import RouterMetrics
@@ -55,7 +54,7 @@ def apply_page(
     """
     try:
         ns = page.get("namespace")
-        namespace = namespace_from_json(ns) if ns is not None else None
+        namespace = CacheNamespace.from_json(ns) if ns is not None else None
         block_size = int(page.get("block_size", 16))
         if page.get("reset"):
             snap = page.get("snapshot") or {}

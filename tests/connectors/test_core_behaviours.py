@@ -112,8 +112,11 @@ class EngineProcess:
         p = len(prompt)
         blocks = [self.free.pop() for _ in range(-(-(p + len(answer)) // ENGINE_BS))]
 
+        keys = PrefixKeys(NS, ENGINE_BS)  # the engine's own, as its block manager makes them
+        keys.extend(prompt)
+
         def view(computed: int) -> ConnectorRequest:
-            return ConnectorRequest(rid, prompt, tokens, blocks, computed)
+            return ConnectorRequest(rid, prompt, tokens, blocks, computed, keys)
 
         deferred, deadline = 0, time.monotonic() + WAIT_S
         while (answer_n := self.conn.get_num_new_matched_tokens(view(0), 0)) is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import torch
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig
 from kvtier.connectors.kvtier_connector import KvtierConnector
 from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.kv_events import attach_recorder
+from kvtier.keys import PrefixKeys
 from kvtier.metrics import StoreMetrics
 from kvtier.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
@@ -252,4 +255,27 @@ def test_save_decode_saves_generated_chunks(
     conn.flush()
     total = len(prompts[3]) + len(out.token_ids) - 1  # the last token's KV is never computed
     assert conn.save_stats.chunks_saved == total // CHUNK
+    llm.engine.shutdown()
+
+
+def test_a_request_is_hashed_once(
+    model_dir: Path, prompts: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """G1, the connector and the KV events read one set of keys per request."""
+    made: list[PrefixKeys] = []
+    init = PrefixKeys.__init__
+
+    def counting(self: PrefixKeys, *args: Any, **kwargs: Any) -> None:
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixKeys, "__init__", counting)
+    conn = KvtierConnector(config=_config(tmp_path))
+    llm = _llm(model_dir, conn)
+    recorder = attach_recorder(llm.engine)
+    llm.generate(prompts[:2], GREEDY)
+    assert len(made) == 2  # one per request, made when the engine first considered it
+    assert all(k.namespace == conn.namespace for k in made)
+    events = recorder.drain()
+    assert any(e.kind == "stored" for e in events) and any(e.kind == "saved" for e in events)
     llm.engine.shutdown()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.engine.block_manager import BlockManager, chain_hash
+from kvtier.engine.block_manager import BlockManager
+from kvtier.keys import CacheNamespace, PrefixKeys
 from tests.engine.fakes import make_request
 
 BS = 4
@@ -108,11 +109,32 @@ def test_duplicate_content_registers_once_and_frees_cleanly() -> None:
     bm.check_integrity([])
 
 
-def test_chain_hash_depends_on_prefix_and_tokens() -> None:
-    h0 = chain_hash(None, [1, 2, 3, 4])
-    assert h0 == chain_hash(None, [1, 2, 3, 4])
-    assert h0 != chain_hash(None, [1, 2, 3, 5])
-    assert chain_hash(h0, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])
+def test_blocks_are_keyed_by_the_requests_own_prefix_keys() -> None:
+    """One hash per request: G1 keys a block by the key of the prefix it ends, from the keys
+    the request carries (which the connector and the KV events read too)."""
+    ns = CacheNamespace("m", "fp", 2, 2, 8, "float32", chunk_size=8)
+    bm = BlockManager(8, BS, namespace=ns)
+    req = make_request("a", list(range(1, 12)))
+    bm.allocate(req, bm.find_cached_prefix(req), req.num_tokens)
+    keys = req.prefix_keys
+    assert keys is not None and keys.namespace == ns and keys.num_tokens == 11
+    _computed(bm, req, 11)
+    assert req.prefix_keys is keys  # hashed once, kept on the request
+    expected = PrefixKeys(ns, BS)
+    expected.extend(req.token_ids)
+    assert [bm.blocks[b].hash for b in req.block_ids[:2]] == [expected.key(4), expected.key(8)]
+    other = BlockManager(8, BS, namespace=ns.with_tenant("t"))  # another namespace, other keys
+    twin = make_request("b", list(range(1, 12)))
+    other.allocate(twin, [], 11)
+    _computed(other, twin, 11)
+    assert other.blocks[twin.block_ids[0]].hash != expected.key(4)
+
+
+def keys_tokens(keys: PrefixKeys, i: int) -> list[int]:
+    """The tokens of block ``i`` (of 4) alone: a "hash" that ignores the prefix."""
+    return [
+        int.from_bytes(keys._data[4 * t : 4 * t + 4], "little") for t in range(4 * i, 4 * i + 4)
+    ]
 
 
 def test_a_colliding_hash_is_a_miss_not_another_prompts_kv(monkeypatch) -> None:
@@ -120,7 +142,9 @@ def test_a_colliding_hash_is_a_miss_not_another_prompts_kv(monkeypatch) -> None:
     import kvtier.engine.block_manager as block_manager
 
     monkeypatch.setattr(
-        block_manager, "chain_hash", lambda prev, tokens: bytes(str(tokens), "ascii")
+        block_manager.BlockManager,
+        "_block_key",
+        lambda self, keys, i: bytes(str(keys_tokens(keys, i)), "ascii"),
     )
     bm = BlockManager(num_blocks=8, block_size=4)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 0])

@@ -23,7 +23,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from kvtier.engine.kv_events import namespace_to_json
 from kvtier.keys import CacheNamespace
 
 
@@ -111,7 +110,7 @@ class FakeEngine:
         reset = engine_id not in (None, self.engine_id) or after > len(events)
         page: dict[str, Any] = {
             "engine_id": self.engine_id,
-            "namespace": namespace_to_json(self.namespace) if self.namespace else None,
+            "namespace": self.namespace.to_json() if self.namespace else None,
             "block_size": 16,
             "reset": reset,
             "last_seq": len(events),

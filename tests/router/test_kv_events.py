@@ -11,13 +11,7 @@ import pytest
 
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.kv_events import (
-    KvEvent,
-    KvEventLog,
-    KvEventRecorder,
-    namespace_from_json,
-    namespace_to_json,
-)
+from kvtier.engine.kv_events import KvEvent, KvEventLog, KvEventRecorder
 from kvtier.engine.models.loader import load_tokenizer
 from kvtier.engine.process_engine import ProcessEngine
 from kvtier.engine.request import Request
@@ -46,8 +40,8 @@ def _compute(bm: BlockManager, req: Request) -> None:
 
 
 def test_stored_and_evicted_blocks_are_named_by_their_prefix_keys() -> None:
-    bm = BlockManager(num_blocks=4, block_size=16)
-    rec = KvEventRecorder(NS, 16)
+    bm = BlockManager(num_blocks=4, block_size=16, namespace=NS)
+    rec = KvEventRecorder(NS)
     bm.listener = rec
     a = _request("a", list(range(1, 41)))  # 40 tokens: 2 full blocks
     _compute(bm, a)
@@ -89,7 +83,7 @@ def test_the_log_reads_with_a_cursor_and_snapshots_a_reader_that_fell_behind() -
     assert log.read(4, engine_id="another-run").reset  # a restarted engine is another log
     assert log.read(99).reset  # a cursor from the future
     body = page.to_json(NS, 16)
-    assert namespace_from_json(body["namespace"]) == NS
+    assert CacheNamespace.from_json(body["namespace"]) == NS
     assert body["snapshot"]["stored"] == [k[1].hex()]
 
 
@@ -108,7 +102,7 @@ def test_a_long_poll_returns_when_an_event_arrives() -> None:
 
 
 def test_namespace_json_round_trip() -> None:
-    assert namespace_from_json(namespace_to_json(NS)) == NS
+    assert CacheNamespace.from_json(NS.to_json()) == NS
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +137,7 @@ def test_the_router_matches_the_keys_a_real_engine_publishes(
     stored = {k for e in page["events"] if e["type"] == "stored" for k in e["keys"]}
     ids = prompt_token_ids(load_tokenizer(tiny_model), "/v1/chat/completions", body)
     assert ids is not None
-    pk = prompt_keys(ids, namespace_from_json(page["namespace"]), 16)
+    pk = prompt_keys(ids, CacheNamespace.from_json(page["namespace"]), 16)
     assert {k.hex() for k in pk.boundary_keys} <= stored and pk.boundary_keys
     # nothing new: a long poll waits, then answers empty
     again = httpx.get(server.url + "/kv_events", params={"after": page["last_seq"], "wait_s": 0.2},
