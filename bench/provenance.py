@@ -37,7 +37,7 @@ from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.keys import KEY_BYTES
 from kvtier.provenance import check, stamp
 from kvtier.server.app import CacheServer
-from kvtier.server.config import ServerConfig
+from kvtier.server_config import ServerConfig
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_config import RemoteTierConfig
 

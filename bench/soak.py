@@ -145,8 +145,8 @@ from kvtier.errors import DeadlineExceededError, KvtierError, TransientError
 from kvtier.metrics import StoreMetrics
 from kvtier.provenance import unstamped
 from kvtier.server.app import CacheServer
-from kvtier.server.config import NamespaceConfig, ServerConfig, TenantConfig
 from kvtier.server.tenants import scope_key, untrusted_salt
+from kvtier.server_config import NamespaceConfig, ServerConfig, TenantConfig
 from kvtier.store import TieredStore
 from kvtier.tiers.base import EvictionListener, Tier, TierUsage
 from kvtier.tiers.cpu import CpuTier

@@ -34,10 +34,10 @@ import grpc
 
 from kvtier.errors import KvtierError
 from kvtier.provenance import stamp
-from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto import kvtier_cache_pb2_grpc as pbg
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_config import RemoteTierConfig
+from kvtier.wire import kvtier_cache_pb2 as pb
+from kvtier.wire import kvtier_cache_pb2_grpc as pbg
 
 STALLED_STREAMS = 12
 SILENT_SOCKETS = 16

@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from kvtier.errors import ConfigError
-from kvtier.server.config import ServerConfig
+from kvtier.server_config import ServerConfig
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.remote_config import RemoteTierConfig
 from kvtier.units import parse_bytes

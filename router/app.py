@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvtier.engine.server.auth import RequireApiKey
-from kvtier.engine.server.runner import bind_listener
 from kvtier.engine.tokenizer import Tokenizer
+from kvtier.net import bind_listener
 from kvtier.router.config import RouterConfig
 from kvtier.router.engines import EnginePool
 from kvtier.router.events import EventFollower

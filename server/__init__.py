@@ -1,6 +1,6 @@
 """The kvtier cache server (``kvtier serve``): gRPC API, tenants, HTTP metrics and dashboard.
 
-Importing this package imports nothing else: :mod:`kvtier.server.config`
-(the ``server:`` configuration section) and :mod:`kvtier.server.proto` (the
-wire protocol, used by the remote tier) load without the server.
+What the server shares with its clients lives below it, in the core:
+:mod:`kvtier.wire` (the wire protocol, which the remote tier speaks too) and
+:mod:`kvtier.server_config` (the ``server:`` section of the one configuration).
 """

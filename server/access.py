@@ -32,9 +32,9 @@ from pathlib import Path
 from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.provenance import check, stamp, unstamped, writer_of
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto.frames import Buffer
 from kvtier.server.tenants import Tenant, TenantDirectory
 from kvtier.store import TieredStore
+from kvtier.wire.frames import Buffer
 
 log = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
 from kvtier.server.access import BlockAccess, provenance_secret
-from kvtier.server.config import ServerConfig, is_loopback
 from kvtier.server.dataplane import DataPlaneServer, server_tls_context
 from kvtier.server.deadlines import Reaper
 from kvtier.server.gate import Gate
 from kvtier.server.http import HttpAccess, HttpFrontend
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto.transport import channel_options
 from kvtier.server.service import KvCacheService
 from kvtier.server.stats import History, StatsSource, dashboard_json
 from kvtier.server.tenants import Tenant, TenantDirectory
+from kvtier.server_config import ServerConfig, is_loopback
 from kvtier.store import TieredStore
+from kvtier.wire.transport import channel_options
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ gRPC stays the control plane and a complete fallback; this port only moves
 block bytes, without protobuf or HTTP/2 framing: the server writes stored
 ``bytes`` to the socket with gathered ``sendmsg`` (no copy in Python) and
 reads a put block straight into the ``bytes`` object it stores. The wire
-format is :mod:`kvtier.server.proto.dataplane`; one connection is served by
+format is :mod:`kvtier.wire.dataplane`; one connection is served by
 a :class:`~kvtier.server.dataplane_session.DataPlaneSession` on its own
 thread (clients keep a few persistent connections, one per concurrent
 caller).
@@ -41,13 +41,13 @@ import grpc
 from kvtier.errors import ConfigError
 from kvtier.server.access import BlockAccess
 from kvtier.server.admission import RequestError, over_limit
-from kvtier.server.config import ServerConfig
 from kvtier.server.dataplane_session import DataPlaneSession
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto.sockio import Stream, StreamError
 from kvtier.server.tenants import Tenant
+from kvtier.server_config import ServerConfig
+from kvtier.wire import dataplane as wire
+from kvtier.wire.sockio import Stream, StreamError
 
 log = logging.getLogger(__name__)
 

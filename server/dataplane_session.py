@@ -1,6 +1,6 @@
 """One data-plane connection on the server: handshake, then GET and PUT requests until it ends.
 
-The wire format is in :mod:`kvtier.server.proto.dataplane`. A session runs on
+The wire format is in :mod:`kvtier.wire.dataplane`. A session runs on
 its own thread (:mod:`kvtier.server.dataplane` accepts and starts it) and
 passes the server's :class:`~kvtier.server.gate.Gate` exactly like a gRPC
 call: the HELLO's token is authenticated by the same tenant directory
@@ -31,14 +31,14 @@ import grpc
 
 from kvtier.server.access import BlockAccess
 from kvtier.server.admission import RequestError, draining, invalid, over_limit, unauthenticated
-from kvtier.server.config import UNAUTHENTICATED_LABEL, ServerConfig
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto.sockio import Stream, StreamError, StreamTimeoutError
 from kvtier.server.receiver import BlockReceiver
 from kvtier.server.service import GET_BATCH
 from kvtier.server.tenants import Tenant
+from kvtier.server_config import UNAUTHENTICATED_LABEL, ServerConfig
+from kvtier.wire import dataplane as wire
+from kvtier.wire.sockio import Stream, StreamError, StreamTimeoutError
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from kvtier.server.admission import (
     over_limit,
     unauthenticated,
 )
-from kvtier.server.config import Role, ServerConfig
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
+from kvtier.server_config import Role, ServerConfig
 
 
 class Gate:

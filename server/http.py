@@ -51,8 +51,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from kvtier.server.config import Role
 from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
+from kvtier.server_config import Role
 
 log = logging.getLogger(__name__)
 

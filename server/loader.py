@@ -1,7 +1,7 @@
 """Load the server's configuration and its store's from one kvtier YAML file.
 
 The file is an ordinary kvtier configuration whose ``server:`` section is a
-:class:`~kvtier.server.config.ServerConfig`; :func:`kvtier.config.load_config`
+:class:`~kvtier.server_config.ServerConfig`; :func:`kvtier.config.load_config`
 loads all of it (``KVTIER_SERVER__*`` overrides included).
 
 With no ``tiers:`` in the file, the server stores CPU + disk with the disk at
@@ -28,7 +28,7 @@ from kvtier.config import (
     load_config,
 )
 from kvtier.errors import ConfigError
-from kvtier.server.config import ServerConfig
+from kvtier.server_config import ServerConfig
 
 SERVER_DISK_DIR = DEFAULT_CACHE_DIR / "server" / "blocks"
 

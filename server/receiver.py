@@ -22,10 +22,10 @@ from kvtier.block import verify_block
 from kvtier.errors import CorruptBlockError
 from kvtier.server.access import BlockAccess
 from kvtier.server.admission import KEY_SIZE, ByteBudget, invalid, over_limit
-from kvtier.server.config import ServerConfig
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto.frames import Buffer, PutFrameView
 from kvtier.server.tenants import Tenant
+from kvtier.server_config import ServerConfig
+from kvtier.wire.frames import Buffer, PutFrameView
 
 
 class BlockReceiver:

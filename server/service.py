@@ -3,7 +3,7 @@
 Handlers are registered as a generic handler for ``kvtier.cache.v1.KvCache``
 (the service of ``kvtier_cache.proto``): small messages go through the
 generated protobuf classes, the bulk frames of Get and Put through the
-copy-lean codec in :mod:`kvtier.server.proto.frames` (same wire format).
+copy-lean codec in :mod:`kvtier.wire.frames` (same wire format).
 
 No request can stop the process: a refusal is a :class:`RequestError` turned
 into its status, and anything unexpected is logged and answered INTERNAL.
@@ -35,24 +35,24 @@ from kvtier.server.admission import (
     invalid,
     unauthenticated,
 )
-from kvtier.server.config import UNAUTHENTICATED_LABEL, Role, ServerConfig
 from kvtier.server.deadlines import Reaper, Watch
 from kvtier.server.gate import Gate
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.proto import PROTOCOL_VERSION
-from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.dataplane import DATA_PROTOCOL_VERSION
-from kvtier.server.proto.frames import (
+from kvtier.server.receiver import BlockReceiver
+from kvtier.server.stats import History
+from kvtier.server.tenants import Tenant
+from kvtier.server_config import UNAUTHENTICATED_LABEL, Role, ServerConfig
+from kvtier.wire import PROTOCOL_VERSION
+from kvtier.wire import kvtier_cache_pb2 as pb
+from kvtier.wire.dataplane import DATA_PROTOCOL_VERSION
+from kvtier.wire.frames import (
     FrameError,
     FrameParts,
     batches,
     decode_put_batch,
     get_frame,
 )
-from kvtier.server.proto.transport import SERVICE_NAME
-from kvtier.server.receiver import BlockReceiver
-from kvtier.server.stats import History
-from kvtier.server.tenants import Tenant
+from kvtier.wire.transport import SERVICE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.server.config import (
+from kvtier.server_config import (
     ANONYMOUS_TENANT,
     OTHER_TENANTS_LABEL,
     ROLE_RANK,

@@ -69,17 +69,6 @@ from kvtier.errors import (
 )
 from kvtier.metrics import StoreMetrics
 from kvtier.retry import ExponentialBackoff, Retry
-from kvtier.server.proto import PROTOCOL_VERSION
-from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.dataplane import DATA_PROTOCOL_VERSION
-from kvtier.server.proto.frames import (
-    FrameError,
-    FrameParts,
-    batches,
-    decode_get_batch,
-    put_frame,
-)
-from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options, method
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.remote_config import RemoteTierConfig
 from kvtier.tiers.remote_dataplane import DataPlaneClient
@@ -91,6 +80,17 @@ from kvtier.tiers.remote_errors import (
     map_rpc_error,
 )
 from kvtier.tiers.remote_planes import PlaneSelector, TransportCounts
+from kvtier.wire import PROTOCOL_VERSION
+from kvtier.wire import kvtier_cache_pb2 as pb
+from kvtier.wire.dataplane import DATA_PROTOCOL_VERSION
+from kvtier.wire.frames import (
+    FrameError,
+    FrameParts,
+    batches,
+    decode_get_batch,
+    put_frame,
+)
+from kvtier.wire.transport import CLIENT_MAX_RECEIVE, channel_options, method
 
 T = TypeVar("T")
 

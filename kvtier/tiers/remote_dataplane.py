@@ -2,7 +2,7 @@
 
 The server advertises its data plane in ``Health`` (``data_port``,
 ``data_protocol_version``); the wire format is
-:mod:`kvtier.server.proto.dataplane`. gRPC remains the control plane
+:mod:`kvtier.wire.dataplane`. gRPC remains the control plane
 (Health, Lookup, Exists, Delete, Stats) and the fallback for Get and Put.
 
 * **Connections.** A small pool of persistent connections, each
@@ -45,8 +45,6 @@ from typing import TypeVar
 
 import grpc
 
-from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto.sockio import Stream, StreamError, StreamTimeoutError
 from kvtier.tiers.remote_errors import (
     DataPlaneUnavailableError,
     RemoteAuthError,
@@ -55,6 +53,8 @@ from kvtier.tiers.remote_errors import (
     error_for_status,
     status_code,
 )
+from kvtier.wire import dataplane as wire
+from kvtier.wire.sockio import Stream, StreamError, StreamTimeoutError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ import pytest
 import soak
 
 import kvtier.store
-from kvtier.server.config import NamespaceConfig, ServerConfig
+from kvtier.server_config import NamespaceConfig, ServerConfig
 
 FIELDS = {
     "ops",

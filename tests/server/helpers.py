@@ -16,12 +16,12 @@ from kvtier.block import HEADER_SIZE, encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.metrics import StoreMetrics
 from kvtier.server.app import CacheServer
-from kvtier.server.config import ServerConfig, TenantConfig
-from kvtier.server.proto import kvtier_cache_pb2_grpc as pbg
-from kvtier.server.proto.transport import CLIENT_MAX_RECEIVE, channel_options
+from kvtier.server_config import ServerConfig, TenantConfig
 from kvtier.store import TieredStore
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.remote_config import RemoteTierConfig
+from kvtier.wire import kvtier_cache_pb2_grpc as pbg
+from kvtier.wire.transport import CLIENT_MAX_RECEIVE, channel_options
 from tests.kvtier.helpers import block, key
 
 __all__ = ["block", "key"]

@@ -1,6 +1,6 @@
 """A bare data-plane client for the tests: raw frames over a socket, replies parsed by hand.
 
-It uses only the wire constants (:mod:`kvtier.server.proto.dataplane`), not
+It uses only the wire constants (:mod:`kvtier.wire.dataplane`), not
 the remote tier's client, so the tests see exactly what is on the wire.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-from kvtier.server.proto import dataplane as wire
+from kvtier.wire import dataplane as wire
 
 
 class RawConn:

@@ -20,9 +20,9 @@ from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.provenance import unstamped, writer_of
 from kvtier.server.loader import SERVER_DISK_DIR, load_server_config
-from kvtier.server.proto import kvtier_cache_pb2 as pb
 from kvtier.server.tenants import scope_key, tenant_salt
 from kvtier.tiers.disk import DiskTier
+from kvtier.wire import kvtier_cache_pb2 as pb
 from tests.server.helpers import (
     TOKENS,
     auth,
@@ -184,7 +184,7 @@ def test_stats_command_prints_hit_rates_tiers_and_tenants(tmp_path: Path) -> Non
 _KILLED_CLIENT = """
 import sys, time
 import grpc
-from kvtier.server.proto import kvtier_cache_pb2 as pb, kvtier_cache_pb2_grpc as pbg
+from kvtier.wire import kvtier_cache_pb2 as pb, kvtier_cache_pb2_grpc as pbg
 address, key_hex, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 data = bytes(size)
 def frames():
@@ -294,7 +294,7 @@ def test_loader_uses_an_integrated_server_section(
 
     import kvtier.server.loader as loader
     from kvtier.config import KvtierConfig
-    from kvtier.server.config import ServerConfig
+    from kvtier.server_config import ServerConfig
 
     class WithServer(KvtierConfig):
         server: ServerConfig = ServerConfig()

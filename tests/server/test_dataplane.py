@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.wire import dataplane as wire
+from kvtier.wire import kvtier_cache_pb2 as pb
 from tests.server.helpers import (
     TOKENS,
     block,
@@ -280,7 +280,7 @@ def test_a_request_on_a_draining_server_is_unavailable() -> None:
 
 _KILLED_CLIENT = """
 import socket, struct, sys, time
-from kvtier.server.proto import dataplane as wire
+from kvtier.wire import dataplane as wire
 port, key, data = int(sys.argv[1]), bytes.fromhex(sys.argv[2]), open(sys.argv[3], "rb").read()
 s = socket.create_connection(("127.0.0.1", port))
 s.sendall(wire.hello(None))

@@ -11,9 +11,9 @@ import pytest
 
 from kvtier.errors import TierUnavailableError
 from kvtier.metrics import StoreMetrics
-from kvtier.server.config import TlsConfig
-from kvtier.server.proto import dataplane as wire
+from kvtier.server_config import TlsConfig
 from kvtier.tiers.remote_errors import RemoteProtocolError, RemoteRetryableError
+from kvtier.wire import dataplane as wire
 from tests.server.helpers import (
     block,
     free_port,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.server.proto import dataplane as wire
+from kvtier.wire import dataplane as wire
 from tests.server.helpers import (
     TOKENS,
     block,

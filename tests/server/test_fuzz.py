@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.transport import method
+from kvtier.wire import kvtier_cache_pb2 as pb
+from kvtier.wire.transport import method
 from tests.server.helpers import (
     TOKENS,
     auth,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.server.config import ServerConfig
 from kvtier.server.http import presented_token
+from kvtier.server_config import ServerConfig
 from tests.server.helpers import (
     TOKENS,
     block,

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvtier.server.app import CacheServer
-from kvtier.server.proto import dataplane as wire
-from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.wire import dataplane as wire
+from kvtier.wire import kvtier_cache_pb2 as pb
 from tests.server.helpers import (
     TOKENS,
     auth,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.server.proto import kvtier_cache_pb2 as pb
-from kvtier.server.proto.frames import (
+from kvtier.wire import kvtier_cache_pb2 as pb
+from kvtier.wire.frames import (
     FrameError,
     batches,
     decode_get_batch,
@@ -23,7 +23,7 @@ from kvtier.server.proto.frames import (
     get_frame,
     put_frame,
 )
-from kvtier.server.proto.generate import HERE, OUTPUTS, generate
+from kvtier.wire.generate import HERE, OUTPUTS, generate
 
 # Lines that record which grpcio-tools/protobuf version generated a file: a
 # different tool version is not a stale .proto.
@@ -46,14 +46,14 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         fresh = _normalise((tmp_path / name).read_text())
         committed = _normalise((HERE / name).read_text())
         assert fresh == committed, (
-            f"server/proto/{name} is stale against kvtier_cache.proto: run scripts/gen_proto.sh"
+            f"kvtier/wire/{name} is stale against kvtier_cache.proto: run scripts/gen_proto.sh"
         )
 
 
 def test_stale_check_detects_an_edited_proto(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvtier.server.proto.generate as gen
+    import kvtier.wire.generate as gen
 
     edited = tmp_path / "kvtier_cache.proto"
     edited.write_text(
@@ -68,9 +68,9 @@ def test_stale_check_detects_an_edited_proto(
 
 
 def test_generated_grpc_module_imports_as_a_package_module() -> None:
-    from kvtier.server.proto import kvtier_cache_pb2_grpc as pbg
+    from kvtier.wire import kvtier_cache_pb2_grpc as pbg
 
-    assert pbg.kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2 is pb
+    assert pbg.kvtier_dot_wire_dot_kvtier__cache__pb2 is pb
     assert hasattr(pbg, "KvCacheStub") and hasattr(pbg, "KvCacheServicer")
 
 

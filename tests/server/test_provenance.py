@@ -22,8 +22,8 @@ from kvtier.errors import AuthError
 from kvtier.metrics import StoreMetrics
 from kvtier.provenance import stamp, writer_of
 from kvtier.server.app import CacheServer
-from kvtier.server.config import NamespaceConfig, ServerConfig, TenantConfig
 from kvtier.server.tenants import scope_key, tenant_salt, untrusted_salt
+from kvtier.server_config import NamespaceConfig, ServerConfig, TenantConfig
 from kvtier.store import TieredStore
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.remote import RemoteTier

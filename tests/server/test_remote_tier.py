@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.block import TRAILER_SIZE
 from kvtier.errors import AuthError, ConfigError, TierUnavailableError, TransientError
-from kvtier.server.config import TlsConfig
+from kvtier.server_config import TlsConfig
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.cpu import CpuTier

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 import pytest
 
-from kvtier.server.proto import kvtier_cache_pb2 as pb
+from kvtier.wire import kvtier_cache_pb2 as pb
 from tests.server.helpers import (
     TOKENS,
     auth,

@@ -1,11 +1,11 @@
 """Regenerate the Python stubs of ``kvtier_cache.proto`` with grpcio-tools.
 
-    python -m kvtier.server.proto.generate            # rewrite the committed stubs
-    python -m kvtier.server.proto.generate --out DIR  # write them elsewhere (the staleness test)
+    python -m kvtier.wire.generate            # rewrite the committed stubs
+    python -m kvtier.wire.generate --out DIR  # write them elsewhere (the staleness test)
 
 The ``.proto`` is compiled from a temporary tree in which it sits at
-``kvtier/server/proto/kvtier_cache.proto``, so the generated gRPC module imports
-its messages as ``from kvtier.server.proto import kvtier_cache_pb2`` and works
+``kvtier/wire/kvtier_cache.proto``, so the generated gRPC module imports
+its messages as ``from kvtier.wire import kvtier_cache_pb2`` and works
 as a package module without any editing of the output.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PROTO = HERE / "kvtier_cache.proto"
-PACKAGE_PATH = Path("kvtier/server/proto")
+PACKAGE_PATH = Path("kvtier/wire")
 OUTPUTS = ("kvtier_cache_pb2.py", "kvtier_cache_pb2.pyi", "kvtier_cache_pb2_grpc.py")
 
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvtier.server.proto import kvtier_cache_pb2 as kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2
+from kvtier.wire import kvtier_cache_pb2 as kvtier_dot_wire_dot_kvtier__cache__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kvtier/server/proto/kvtier_cache_pb2_grpc.py depends on'
+        + ' but the generated code in kvtier/wire/kvtier_cache_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class KvCacheStub:
         """
         self.Lookup = channel.unary_unary(
                 '/kvtier.cache.v1.KvCache/Lookup',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.LookupResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Exists = channel.unary_unary(
                 '/kvtier.cache.v1.KvCache/Exists',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.ExistsResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.ExistsResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvtier.cache.v1.KvCache/Get',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.GetBatch.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvtier.cache.v1.KvCache/Put',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.PutResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/kvtier.cache.v1.KvCache/Delete',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.DeleteResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.DeleteResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvtier.cache.v1.KvCache/Stats',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.StatsRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvtier.cache.v1.KvCache/Health',
-                request_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthRequest.SerializeToString,
-                response_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthResponse.FromString,
+                request_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.HealthRequest.SerializeToString,
+                response_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -130,38 +130,38 @@ def add_KvCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.LookupResponse.SerializeToString,
             ),
             'Exists': grpc.unary_unary_rpc_method_handler(
                     servicer.Exists,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.ExistsResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.ExistsResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.GetBatch.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.PutBatch.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.PutResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.DeleteResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.DeleteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.StatsRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.StatsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthRequest.FromString,
-                    response_serializer=kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=kvtier_dot_wire_dot_kvtier__cache__pb2.HealthRequest.FromString,
+                    response_serializer=kvtier_dot_wire_dot_kvtier__cache__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -189,8 +189,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Lookup',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.LookupResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Exists',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.ExistsResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.ExistsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Get',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.GetBatch.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.GetBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class KvCache:
             request_iterator,
             target,
             '/kvtier.cache.v1.KvCache/Put',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.PutResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.PutBatch.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -297,8 +297,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Delete',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.DeleteResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.KeysRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -324,8 +324,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Stats',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.StatsResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.StatsRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -351,8 +351,8 @@ class KvCache:
             request,
             target,
             '/kvtier.cache.v1.KvCache/Health',
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthRequest.SerializeToString,
-            kvtier_dot_server_dot_proto_dot_kvtier__cache__pb2.HealthResponse.FromString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.HealthRequest.SerializeToString,
+            kvtier_dot_wire_dot_kvtier__cache__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
