@@ -98,7 +98,7 @@ class SimEngine:
         self.g1 = G1Cache(spec.g1_capacity_blocks, on_stored, on_evicted)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.pending_s = 0.0  # routers' estimate of the prefill work queued here
+        self.pending_prefill_tokens = 0  # the router's estimate of the prompt tokens queued here
         self.busy_s = 0.0
         self.steps = 0
         self.requests = 0
@@ -109,6 +109,11 @@ class SimEngine:
         self._step: _Step | None = None
         self._version = 0
         self._ending = False  # inside _end_step: it plans the next step itself
+
+    @property
+    def load(self) -> int:
+        """Requests it is busy with (what the shipped router calls an engine's load)."""
+        return self.in_flight
 
     # ---- queue --------------------------------------------------------------------------
 
@@ -129,7 +134,7 @@ class SimEngine:
         self.requests += 1
         self.in_flight += 1
         self.waiting.append(req)
-        self.pending_s += req.est_s
+        self.pending_prefill_tokens += req.est_tokens
         self.wake()
 
     def wake(self) -> None:
@@ -268,7 +273,7 @@ class SimEngine:
             r.computed += n
             self._register(r, r.computed // bs)
             if r.computed == r.prompt_tokens:
-                self.pending_s -= r.est_s
+                self.pending_prefill_tokens -= r.est_tokens
                 r.generated = 1
                 r.first_token_s = r.last_token_s = now
                 if r.role is Role.PREFILL or r.answer_tokens == 1:

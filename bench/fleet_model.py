@@ -34,6 +34,8 @@ from fleet_router import KvIndex, Router
 from fleet_tier import Network, SharedTier, Transfer
 from fleet_workload import Session
 
+from kvtier.router.policy import Weights
+
 MODES = ("colocated", "colocated+tier", "pd+tier", "pd-direct")
 
 
@@ -50,8 +52,7 @@ class FleetSpec:
         mode: One of :data:`MODES`.
         policy: Routing policy (``fleet_router.POLICIES``), for every pool.
         prefill_fraction: P/D: share of the engines in the prefill pool.
-        alpha: ``cache_aware``: weight of queued prefill work.
-        imbalance: ``cache_aware``: most requests in flight above the least loaded engine.
+        weights: ``cache_aware``'s knobs: the shipped router's (``kvtier.router.policy.Weights``).
         save_decode: Also save chunks completed while decoding (kvtier's ``save_decode``).
         macro_steps: Run stretches of decode-only steps as one event (a speed-up of the
             simulation that changes no result; tests compare it with single steps).
@@ -61,8 +62,7 @@ class FleetSpec:
     mode: str
     policy: str
     prefill_fraction: float = 0.25
-    alpha: float = 1.0
-    imbalance: int = 4
+    weights: Weights = field(default_factory=Weights)
     save_decode: bool = False
     macro_steps: bool = True
 
@@ -148,9 +148,7 @@ class Fleet:
         n_prefill = fleet.prefill_engines
         router_args: dict[str, Any] = {
             "index": self.index,
-            "transfer_s": self.network.transfer_s,
-            "alpha": fleet.alpha,
-            "imbalance": fleet.imbalance,
+            "weights": fleet.weights,
             "min_load_tokens": tier.min_load_tokens,
         }
         self.front = Router(fleet.policy, self.engines[:n_prefill], **router_args)

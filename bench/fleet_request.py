@@ -51,7 +51,7 @@ class SimRequest:
         decode_g1_tokens: P/D: prompt tokens the decode engine already held.
         handoff_tokens: P/D: prompt tokens moved to the decode engine.
         handoff_ready_s: P/D: when the prompt's KV can be read by a decode engine.
-        est_s: The router's estimate of the prefill work it brought (for queue estimates).
+        est_tokens: The router's estimate of the prompt tokens it queued for prefill.
         prefill_engine: Engine that computed its prompt.
         decode_engine: Engine that generated the rest (== prefill_engine when colocated).
         admitted_s: When its first engine admitted it.
@@ -82,7 +82,7 @@ class SimRequest:
     decode_g1_tokens: int = 0
     handoff_tokens: int = 0
     handoff_ready_s: float = 0.0
-    est_s: float = 0.0
+    est_tokens: int = 0
     prefill_engine: int = -1
     decode_engine: int = -1
     admitted_s: float = -1.0

@@ -1,34 +1,31 @@
-"""Routing policies of the fleet, and the KV index a cache-aware router learns from events.
+"""Routing in the fleet simulation: the shipped router's own policies, and the KV index it learns.
 
-* ``round_robin``: engines in turn.
-* ``least_loaded``: the fewest requests in flight (queued or admitted); ties in turn.
-* ``cache_aware``: the best estimated time to first token, where an engine's
-  estimate is the compute of what it would not have cached, plus the load of
-  what the shared tier would supply, plus ``alpha`` x the prefill work already
-  queued there::
+The simulated router *is* ``kvtier router``'s: every choice goes through
+:class:`kvtier.router.policy.Router` (``round_robin``, ``least_loaded``,
+``cache_aware``), fed what the shipped router feeds it — for each engine its
+load (requests in flight), the prompt tokens queued there for prefill, the
+prefix its G1 holds (from the engines' KV events: stored / evicted block
+keys) and the prefix the shared tier holds — so a simulated ``cache_aware``
+run predicts the router users run, with its weights
+(:class:`kvtier.router.policy.Weights`, ``RouterConfig``'s knobs)::
 
-      est(e) = compute(P - cached(e)) + load(tier part) + alpha * queued_prefill_s(e)
+      hit(e)  = max(G1 prefix of e, shared_hit_weight x shared-tier prefix)
+      cost(e) = (prompt - hit(e)) + pending_prefill_tokens(e) + decode_cost_tokens x load(e)
 
-  ``cached(e)`` is the longest prefix held in ``e``'s G1 (from the engines' KV
-  events: stored / evicted block keys) or, when longer by at least
-  ``min_load_tokens``, what the shared tier holds (any engine can load it).
-  Only engines within ``imbalance`` requests of the least loaded are
-  candidates, so a hot prefix spills to other engines instead of melting one.
-  For the P/D decode pool the estimate is the handoff load of what the engine
-  does not hold already.
-
-Ties go to the engine with fewer requests in flight, then in turn, so no
-policy favours low engine ids.
+among engines within ``max_imbalance`` requests of the least loaded. For the
+P/D decode pool the same cost scores what each engine would load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from fleet_engine import SimEngine
 from fleet_request import Role, SimRequest
 
-POLICIES = ("round_robin", "least_loaded", "cache_aware")
+from kvtier.router.config import POLICIES
+from kvtier.router.policy import Candidate, Weights
+from kvtier.router.policy import Router as ShippedRouter
 
 
 class KvIndex:
@@ -79,16 +76,13 @@ class KvIndex:
 
 
 class Router:
-    """Chooses an engine of one pool for each request.
+    """Chooses an engine of one pool for each request (the shipped policy, simulated engines).
 
     Args:
         policy: One of :data:`POLICIES`.
         engines: The pool.
         index: The KV index fed by every engine's events.
-        transfer_s: Estimated seconds to move ``n`` bytes of KV into an engine (0 for 0).
-        alpha: Weight of the queued work in ``cache_aware``'s estimate.
-        imbalance: ``cache_aware`` considers only engines with at most this many more
-            requests in flight than the least loaded one.
+        weights: ``cache_aware``'s knobs (the shipped defaults unless given).
         min_load_tokens: A tier hit shorter than this is not loaded (as engines do).
     """
 
@@ -97,94 +91,34 @@ class Router:
         policy: str,
         engines: Sequence[SimEngine],
         index: KvIndex,
-        transfer_s: Callable[[int], float],
-        alpha: float = 1.0,
-        imbalance: int = 4,
+        weights: Weights | None = None,
         min_load_tokens: int = 256,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         if not engines:
             raise ValueError("a router needs at least one engine")
-        if alpha < 0 or imbalance < 0:
-            raise ValueError("alpha and imbalance must be >= 0")
         self.policy = policy
         self.engines = list(engines)
         self.pool = {e.eid for e in engines}
         self.index = index
-        self.transfer_s = transfer_s
-        self.alpha = alpha
-        self.imbalance = imbalance
         self.min_load_tokens = min_load_tokens
-        self._turn = 0
-
-    def _rotation(self) -> list[SimEngine]:
-        i = self._turn % len(self.engines)
-        self._turn += 1
-        return self.engines[i:] + self.engines[:i]
+        self._router = ShippedRouter(policy, weights)  # type: ignore[arg-type]
 
     def choose(self, req: SimRequest, role: Role, tier_tokens: int) -> SimEngine:
-        """The engine for ``req`` in ``role``; sets ``req.est_s`` (its estimated prefill work).
+        """The engine for ``req`` in ``role``; sets ``req.est_tokens`` (the prefill it queues there).
 
         Args:
             req: The request.
             role: What the engine will do with it.
             tier_tokens: Leading prompt tokens the shared tier can supply (0: no tier).
         """
-        order = self._rotation()
-        if self.policy == "round_robin":
-            chosen = order[0]
-        elif self.policy == "least_loaded":
-            chosen = min(order, key=lambda e: e.in_flight)  # min keeps the first of ties
-        else:
-            return self._cache_aware(req, role, tier_tokens, order)
-        if role is not Role.DECODE:
-            g1_tokens = chosen.g1.match(req.keys, self._limit(chosen, req, role))
-            req.est_s = self._estimate(
-                chosen, req, role, tier_tokens, g1_tokens * chosen.spec.block_tokens
-            )
-        return chosen
-
-    @staticmethod
-    def _limit(engine: SimEngine, req: SimRequest, role: Role) -> int:
-        p = req.prompt_tokens if role is Role.DECODE else req.prompt_tokens - 1
-        return p // engine.spec.block_tokens
-
-    def _estimate(
-        self, engine: SimEngine, req: SimRequest, role: Role, tier_tokens: int, g1_tokens: int
-    ) -> float:
-        """Seconds of KV work ``req`` brings to ``engine``: compute and loads (no queueing)."""
-        spec = engine.spec
+        bs = self.engines[0].spec.block_tokens
         p = req.prompt_tokens
-        if role is Role.DECODE:
-            return self.transfer_s((p - g1_tokens) * spec.kv_bytes_per_token)
-        ext = min(tier_tokens, p - 1) - g1_tokens
-        if ext < max(1, self.min_load_tokens):
-            ext = 0
-        cached = g1_tokens + ext
-        return spec.costs.compute_s(cached, p - cached) + self.transfer_s(
-            ext * spec.kv_bytes_per_token
-        )
-
-    def _cache_aware(
-        self, req: SimRequest, role: Role, tier_tokens: int, order: list[SimEngine]
-    ) -> SimEngine:
-        limit = self._limit(order[0], req, role)
+        limit = (p if role is Role.DECODE else p - 1) // bs
         matched = self.index.match(req.keys, limit, self.pool)
-        bs = order[0].spec.block_tokens
-        cold = self._estimate(order[0], req, role, tier_tokens, 0)  # the same for every engine
-        least = min(e.in_flight for e in order)
-        best: SimEngine | None = None
-        best_key = (0.0, 0)
-        best_est = 0.0
-        for e in order:
-            if e.in_flight > least + self.imbalance:
-                continue
-            m = matched.get(e.eid, 0)
-            est = self._estimate(e, req, role, tier_tokens, m * bs) if m else cold
-            key = (est + self.alpha * e.pending_s, e.in_flight)
-            if best is None or key < best_key:
-                best, best_key, best_est = e, key, est
-        assert best is not None  # the least loaded engine is always a candidate
-        req.est_s = best_est if role is not Role.DECODE else 0.0
-        return best
+        shared = tier_tokens if tier_tokens >= max(1, self.min_load_tokens) else 0
+        cands = [Candidate(e, matched.get(e.eid, 0) * bs, shared) for e in self.engines]
+        decision = self._router.pick(cands, p)  # type: ignore[arg-type]
+        req.est_tokens = 0 if role is Role.DECODE else max(0, p - decision.hit_tokens)
+        return decision.engine  # type: ignore[return-value]

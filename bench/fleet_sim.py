@@ -36,6 +36,8 @@ from fleet_model import MODES, FleetSpec, run_fleet
 from fleet_router import POLICIES
 from fleet_workload import WorkloadSpec, build_sessions
 
+from kvtier.router.policy import Weights
+
 SWEEP_MODES = ("colocated", "colocated+tier")
 
 
@@ -61,8 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefixes", type=int, default=200)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--prefill-fraction", type=float, default=0.25)
-    ap.add_argument("--alpha", type=float, default=1.0)
-    ap.add_argument("--imbalance", type=int, default=4)
+    w = Weights()
+    ap.add_argument("--decode-cost-tokens", type=int, default=w.decode_cost_tokens,
+                    help="the router's cache_aware weight (RouterConfig)")  # fmt: skip
+    ap.add_argument("--shared-hit-weight", type=float, default=w.shared_hit_weight)
+    ap.add_argument("--max-imbalance", type=int, default=w.max_imbalance)
     ap.add_argument("--save-decode", action="store_true")
     ap.add_argument("--tier-gbps", type=float, help="aggregate tier bandwidth (inf allowed)")
     ap.add_argument("--link-gbps", type=float, help="per-engine link bandwidth")
@@ -118,8 +123,7 @@ def fleet_spec(args: argparse.Namespace, engines: int, mode: str, policy: str) -
         mode=mode,
         policy=policy,
         prefill_fraction=args.prefill_fraction,
-        alpha=args.alpha,
-        imbalance=args.imbalance,
+        weights=Weights(args.decode_cost_tokens, args.shared_hit_weight, args.max_imbalance),
         save_decode=args.save_decode,
     )
 

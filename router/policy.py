@@ -13,6 +13,10 @@
   among the engines whose load is within ``max_imbalance`` of the least
   loaded one, so a hot prefix spreads instead of melting its engine (the
   second engine computes the prefix once, then holds it too).
+
+The policy sees an engine only through :class:`Routable` (its load and its
+queued prefill), so the fleet simulation (``bench/fleet_router.py``) runs
+this very code on simulated engines.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from kvtier.router.config import Policy
-from kvtier.router.engines import Engine
 
 # Why an engine was picked (the ``reason`` label of kvtier_router_decisions_total).
 REASONS = (
@@ -35,20 +39,33 @@ REASONS = (
 )
 
 
+class Routable(Protocol):
+    """What a policy reads of an engine (``engines.Engine``; a simulated engine)."""
+
+    @property
+    def load(self) -> int: ...
+
+    @property
+    def pending_prefill_tokens(self) -> int: ...
+
+
+E = TypeVar("E", bound=Routable)
+
+
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(Generic[E]):
     """An engine and what it holds of the request's prompt."""
 
-    engine: Engine
+    engine: E
     g1_tokens: int = 0
     shared_tokens: int = 0
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Generic[E]):
     """The engine picked, why, and the prompt tokens it is believed to hold."""
 
-    engine: Engine
+    engine: E
     reason: str
     hit_tokens: int = 0
     g1_tokens: int = 0
@@ -77,14 +94,14 @@ class Router:
         self.weights = weights or Weights()
         self._turn = itertools.count()
 
-    def _in_turn(self, engines: Sequence[Engine]) -> list[Engine]:
+    def _in_turn(self, engines: Sequence[Candidate[E]]) -> list[Candidate[E]]:
         """``engines`` rotated by the turn (so ties go round robin)."""
         k = next(self._turn) % len(engines)
         return [*engines[k:], *engines[:k]]
 
     def pick(
-        self, candidates: Sequence[Candidate], prompt_tokens: int, have_keys: bool = True
-    ) -> Decision:
+        self, candidates: Sequence[Candidate[E]], prompt_tokens: int, have_keys: bool = True
+    ) -> Decision[E]:
         """The engine for one request.
 
         Args:
@@ -108,16 +125,16 @@ class Router:
         return self._cache_aware(rotated, prompt_tokens, have_keys)
 
     def _cache_aware(
-        self, rotated: list[Candidate], prompt_tokens: int, have_keys: bool
-    ) -> Decision:
+        self, rotated: list[Candidate[E]], prompt_tokens: int, have_keys: bool
+    ) -> Decision[E]:
         w = self.weights
         least = min(c.engine.load for c in rotated)
         eligible = [c for c in rotated if c.engine.load <= least + w.max_imbalance]
 
-        def hit(c: Candidate) -> int:
+        def hit(c: Candidate[E]) -> int:
             return max(c.g1_tokens, int(w.shared_hit_weight * c.shared_tokens))
 
-        def cost(c: Candidate) -> float:
+        def cost(c: Candidate[E]) -> float:
             e = c.engine
             return (
                 max(0, prompt_tokens - hit(c))
