@@ -48,6 +48,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.kernels import (
+    Encoding,
     KernelInputError,
     QuantizedChunk,
     gather_kv,
@@ -111,7 +112,7 @@ class PagedKV(ABC):
         """Writes ``chunk`` (``[L, 2, T, H, D]``) as tokens ``[start, start + T)``."""
 
     def gather_quantized(
-        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: str
+        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: Encoding
     ) -> QuantizedChunk | None:
         """The same tokens gathered and quantized on the device, or None where that is not fused."""
         return None
@@ -227,7 +228,7 @@ class StridedKV(PagedKV):
         return out
 
     def gather_quantized(
-        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: str
+        self, block_ids: Sequence[int], start: int, num_tokens: int, encoding: Encoding
     ) -> QuantizedChunk | None:
         view = self._fused()
         if view is None:

@@ -92,11 +92,11 @@ class ChunkSaver(QueueWorker[_Pending]):
         if not isinstance(chunk, QuantizedChunk):
             if self._encoding == Encoding.RAW:
                 return encode_block(chunk, key=key, compression=self._compression)
-            chunk = quantize_chunk(chunk, self._encoding.label)
+            chunk = quantize_chunk(chunk, self._encoding)
         return encode_block(
             chunk.data.cpu(),
             key=key,
-            encoding=Encoding.parse(chunk.encoding),
+            encoding=chunk.encoding,
             scales=chunk.scales.cpu(),
             kv_dtype=kv_dtype,
             compression=self._compression,

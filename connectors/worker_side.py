@@ -361,7 +361,7 @@ class ConnectorWorker:
             quantized = None
             if self._encoding != Encoding.RAW:
                 quantized = layout.gather_quantized(
-                    spec.block_ids, obj.start, obj.num_tokens, self._encoding.label
+                    spec.block_ids, obj.start, obj.num_tokens, self._encoding
                 )
             if quantized is not None:
                 # a blocking copy: the saver thread must not see one still in flight

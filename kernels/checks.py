@@ -247,7 +247,7 @@ def check_scatter(
 def check_gather_quantized(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    encoding: str,
+    encoding: Encoding | str,
     out: QuantizedChunk | None,
     *,
     check_slots: bool,
@@ -268,7 +268,7 @@ def check_gather_quantized(
             "out.data",
             geom.chunk_shape,
             out.data.dtype == data_dtype,
-            f"{data_dtype} (encoding {checked})",
+            f"{data_dtype} (encoding {checked.label})",
             kv_cache.device,
         )
         _check_chunk_like(

@@ -94,7 +94,7 @@ def scatter_kv(
 def gather_kv_quantized(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    encoding: Encoding,
+    encoding: Encoding | str,
     out: QuantizedChunk | None = None,
     *,
     check_slots: bool = True,
@@ -105,7 +105,7 @@ def gather_kv_quantized(
         kv_cache: as in :func:`gather_kv`.
         slot_mapping: as in :func:`gather_kv`; a ``-1`` token gets zero codes
             and the floor scale.
-        encoding: ``"int8"`` or ``"fp8_e4m3"``.
+        encoding: ``Encoding.INT8`` or ``Encoding.FP8_E4M3`` (or its label).
         out: optional preallocated ``QuantizedChunk`` (contiguous data in the
             encoding's dtype and float32 scales) to write into.
         check_slots: as in :func:`gather_kv`.

@@ -1,4 +1,8 @@
-"""Quantized chunk encodings: names, constants and the result type.
+"""KV encodings (the one ``Encoding`` of the project), quantization constants, the result type.
+
+:class:`Encoding` is what the block format records in a header (``kvtier.block``)
+and what the kernels take: ``raw`` KV in the cache dtype, or one of the
+quantized encodings below.
 
 Both encodings are symmetric with one float32 scale per
 (layer, K/V, token, head), taken over ``head_dim``::
@@ -14,7 +18,8 @@ floor, its codes are 0 and it dequantizes back to exact zeros.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+import enum
+from typing import NamedTuple
 
 import torch
 
@@ -30,15 +35,49 @@ __all__ = [
     "encoding_of",
 ]
 
-Encoding = Literal["int8", "fp8_e4m3"]
+
+class Encoding(enum.IntEnum):
+    """How KV values are represented (the value is the block header's byte)."""
+
+    RAW = 0
+    INT8 = 1
+    FP8_E4M3 = 2
+
+    @property
+    def label(self) -> str:
+        """The name in configuration files (``raw``, ``int8``, ``fp8_e4m3``)."""
+        return self.name.lower()
+
+    @property
+    def quantized(self) -> bool:
+        """Stored as codes plus scales."""
+        return self is not Encoding.RAW
+
+    @classmethod
+    def parse(cls, name: str | Encoding) -> Encoding:
+        """The encoding called ``name`` (or ``name`` itself).
+
+        Raises:
+            ValueError: for an unknown name.
+        """
+        if isinstance(name, Encoding):
+            return name
+        for enc in cls:
+            if enc.label == name:
+                return enc
+        raise ValueError(f"unknown encoding {name!r}; expected one of {[e.label for e in cls]}")
+
 
 # NOTE: a normal float32 (not a denormal) so that a GPU that flushes denormals
 # computes the same scale as the CPU reference.
 SCALE_FLOOR = 1e-12
 
-QMAX: dict[str, float] = {"int8": 127.0, "fp8_e4m3": 448.0}
+QMAX: dict[Encoding, float] = {Encoding.INT8: 127.0, Encoding.FP8_E4M3: 448.0}
 
-DATA_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+DATA_DTYPES: dict[Encoding, torch.dtype] = {
+    Encoding.INT8: torch.int8,
+    Encoding.FP8_E4M3: torch.float8_e4m3fn,
+}
 
 
 class QuantizedChunk(NamedTuple):
@@ -59,17 +98,20 @@ class QuantizedChunk(NamedTuple):
         return encoding_of(self.data.dtype, "data")
 
 
-def check_encoding(encoding: str) -> Encoding:
-    """Returns ``encoding`` if it names a supported encoding.
+def check_encoding(encoding: Encoding | str) -> Encoding:
+    """The quantized encoding ``encoding`` names (an ``Encoding`` or its label).
 
     Raises:
-        KernelInputError: for any other value.
+        KernelInputError: for ``raw`` or any other value.
     """
-    if encoding not in get_args(Encoding):
-        raise KernelInputError(
-            f"encoding: expected one of {list(get_args(Encoding))}, got {encoding!r}"
-        )
-    return encoding  # type: ignore[return-value]
+    quantized = [e.label for e in DATA_DTYPES]
+    try:
+        enc = Encoding.parse(encoding)
+    except ValueError:
+        enc = Encoding.RAW
+    if enc not in DATA_DTYPES:
+        raise KernelInputError(f"encoding: expected one of {quantized}, got {encoding!r}")
+    return enc
 
 
 def encoding_of(dtype: torch.dtype, name: str) -> Encoding:
@@ -80,5 +122,5 @@ def encoding_of(dtype: torch.dtype, name: str) -> Encoding:
     """
     for encoding, data_dtype in DATA_DTYPES.items():
         if dtype == data_dtype:
-            return encoding  # type: ignore[return-value]
+            return encoding
     raise KernelInputError(f"{name}: expected dtype int8 or float8_e4m3fn, got {dtype}")

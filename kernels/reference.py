@@ -24,7 +24,14 @@ from kvtier.kernels.checks import (
     check_scatter,
     check_scatter_dequantized,
 )
-from kvtier.kernels.quant import DATA_DTYPES, QMAX, SCALE_FLOOR, Encoding, QuantizedChunk
+from kvtier.kernels.quant import (
+    DATA_DTYPES,
+    QMAX,
+    SCALE_FLOOR,
+    Encoding,
+    QuantizedChunk,
+    check_encoding,
+)
 
 __all__ = [
     "dequantize_chunk",
@@ -185,7 +192,7 @@ def scatter_kv(
 
 @torch.no_grad()
 def quantize_chunk(
-    chunk: torch.Tensor, encoding: Encoding, out: QuantizedChunk | None = None
+    chunk: torch.Tensor, encoding: Encoding | str, out: QuantizedChunk | None = None
 ) -> QuantizedChunk:
     """Quantizes a chunk with one scale per (layer, K/V, token, head).
 
@@ -194,13 +201,14 @@ def quantize_chunk(
 
     Args:
         chunk: ``[L, 2, T, H, D]`` float16/bfloat16/float32.
-        encoding: ``"int8"`` or ``"fp8_e4m3"`` (already checked).
+        encoding: ``Encoding.INT8`` or ``Encoding.FP8_E4M3`` (or its label).
         out: optional preallocated result (already checked).
 
     Returns:
         ``data`` ``[L, 2, T, H, D]`` int8/float8_e4m3fn and ``scales``
         ``[L, 2, T, H]`` float32, both contiguous (``out`` when given).
     """
+    encoding = check_encoding(encoding)
     if out is None:
         out = QuantizedChunk(
             torch.empty(chunk.shape, dtype=DATA_DTYPES[encoding], device=chunk.device),
@@ -219,7 +227,7 @@ def quantize_chunk(
         scale = torch.clamp_min_(amax.div_(qmax), SCALE_FLOOR)
         out.scales[layer] = scale
         y = x.div_(scale.unsqueeze(-1))
-        if encoding == "int8":
+        if encoding is Encoding.INT8:
             y = y.round_().clamp_(-127, 127)  # round: half to even
         else:
             y = y.clamp_(-qmax_value, qmax_value)  # the cast rounds to nearest even
@@ -262,7 +270,7 @@ def dequantize_chunk(
 def gather_kv_quantized(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    encoding: Encoding,
+    encoding: Encoding | str,
     out: QuantizedChunk | None = None,
     *,
     check_slots: bool = True,
@@ -274,7 +282,7 @@ def gather_kv_quantized(
     Args:
         kv_cache: the paged cache.
         slot_mapping: ``[T]`` slots.
-        encoding: ``"int8"`` or ``"fp8_e4m3"``.
+        encoding: ``Encoding.INT8`` or ``Encoding.FP8_E4M3`` (or its label).
         out: optional preallocated ``QuantizedChunk`` to write into.
         check_slots: check the slot range.
 

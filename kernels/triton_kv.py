@@ -201,7 +201,7 @@ def scatter_kv(
 def gather_kv_quantized(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    encoding: Encoding,
+    encoding: Encoding | str,
     out: QuantizedChunk | None = None,
     *,
     check_slots: bool = True,
@@ -215,7 +215,7 @@ def gather_kv_quantized(
     geom, checked = check_gather_quantized(
         kv_cache, slot_mapping, encoding, out, check_slots=check_slots
     )
-    is_fp8 = checked == "fp8_e4m3"
+    is_fp8 = checked is Encoding.FP8_E4M3
     if out is None:
         data = torch.empty(geom.chunk_shape, dtype=DATA_DTYPES[checked], device=kv_cache.device)
         scales = torch.empty(geom.scales_shape, dtype=torch.float32, device=kv_cache.device)
@@ -265,7 +265,7 @@ def scatter_kv_dequantized(
     kernels = _kernels()
     _require_runnable(kv_cache, kernels)
     launch = _launch(geom)
-    is_fp8 = encoding == "fp8_e4m3"
+    is_fp8 = encoding is Encoding.FP8_E4M3
     kernels.dequantize_scatter_kernel[launch.grid](
         data.view(torch.uint8) if is_fp8 else data,
         scales,

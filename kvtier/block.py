@@ -78,6 +78,7 @@ from kvtier.errors import (
     KeyMismatchError,
     UnsupportedVersionError,
 )
+from kvtier.kernels.quant import Encoding
 from kvtier.keys import KEY_BYTES
 
 MAGIC = b"KVTB"
@@ -96,30 +97,6 @@ assert _HEADER.size == HEADER_SIZE
 TRAILER_MAGIC = b"KVTW"
 TRAILER_SIZE = 104
 """Bytes of the optional provenance trailer after a block's body (:mod:`kvtier.provenance`)."""
-
-
-class Encoding(enum.IntEnum):
-    """How KV values are represented in the payload."""
-
-    RAW = 0
-    INT8 = 1
-    FP8_E4M3 = 2
-
-    @property
-    def label(self) -> str:
-        return _ENCODING_LABELS[self]
-
-    @classmethod
-    def parse(cls, name: str) -> Encoding:
-        for enc, label in _ENCODING_LABELS.items():
-            if label == name:
-                return enc
-        raise ValueError(
-            f"unknown encoding {name!r}; expected one of {sorted(_ENCODING_LABELS.values())}"
-        )
-
-
-_ENCODING_LABELS = {Encoding.RAW: "raw", Encoding.INT8: "int8", Encoding.FP8_E4M3: "fp8_e4m3"}
 
 
 class Compression(enum.IntEnum):

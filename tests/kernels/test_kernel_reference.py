@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.kernels import SCALE_FLOOR, dequantize_chunk, quantize_chunk, reference
+from kvtier.kernels import SCALE_FLOOR, Encoding, dequantize_chunk, quantize_chunk, reference
 from tests.kernels.kernel_cases import (
     LAYOUTS,
     Case,
@@ -219,7 +219,7 @@ def test_gather_quantized_is_gather_then_quantize(encoding: str) -> None:
     assert_bitwise_equal(out.scales, expected.scales, "scales")
     skipped = slots == -1
     assert bool((out.scales[:, :, skipped] == SCALE_FLOOR).all())
-    assert out.encoding == encoding
+    assert out.encoding is Encoding.parse(encoding)
 
 
 @pytest.mark.parametrize("encoding", ["int8", "fp8_e4m3"])
