@@ -78,7 +78,7 @@ def measure(
     llm.generate([prompt], ONE)  # nothing stored yet: computes and saves every chunk
     conn.flush()
     assert conn.namespace is not None and conn.verifier is not None
-    keys = PrefixKeys(conn.namespace, cfg.block_tokens)
+    keys = PrefixKeys(conn.namespace, cfg.page_tokens)
     keys.extend(prompt)
     chunk_keys = [keys.key((c + 1) * chunk) for c in range(chunks)]
     rows = []
@@ -135,7 +135,7 @@ def measure_cost(
 
     run()  # stores every chunk (and warms up)
     assert conn.namespace is not None and conn.verifier is not None and conn.worker.spec is not None
-    keys = PrefixKeys(conn.namespace, cfg.block_tokens)
+    keys = PrefixKeys(conn.namespace, cfg.page_tokens)
     keys.extend(prompt)
     chunk_keys = [keys.key((c + 1) * chunk) for c in range(chunks)]
     t_none = _median_s(run, repeat)

@@ -139,7 +139,7 @@ class AsyncLookups:
         # keys the verifier found wrong are not loaded (another writer may have put them back)
         if self._quarantine is not None and len(self._quarantine):
             present = [p and k not in self._quarantine for k, p in zip(keys, present, strict=True)]
-        prefix = longest_stored_prefix(state.keys, limit, present, state.block_tokens)
+        prefix = longest_stored_prefix(state.keys, limit, present, state.page_tokens)
         if outcome is None:
             outcome = "miss" if not prefix.num_tokens else "partial"
             if prefix.num_tokens == limit:

@@ -3,14 +3,14 @@
 Held by the scheduler side (``scheduler_side.py``) for every engine: engines
 differ in how their caches are laid out, not in what is stored or loaded.
 
-Save plan, in tokens (C = chunk, B = block)::
+Save plan, in tokens (C = chunk, P = page)::
 
     computed:   |================================|....
     objects:    [ chunk 0 ][ chunk 1 ][ tail )
                  saved as soon as      saved when the prompt's prefill ends (to its
                  C tokens are computed exact end) and, with save_decode, when the
                                        request ends (prompt + generated, to the
-                                       last full block)
+                                       last full page)
 
 Leading full chunks that the lookup found stored are never saved again;
 a chunk whose load failed is saved again once recomputed.
@@ -37,7 +37,7 @@ class RequestState:
     Attributes:
         keys: Keys of its tokens (grown over generated tokens when they are
             saved; the engine's own when it computed them, else the connector's).
-        block_tokens: Granularity of lookups and of saved tails (``block_tokens``).
+        page_tokens: Granularity of lookups and of saved tails (``page_tokens``).
         num_prompt_tokens: Prompt length.
         chunks_stored_to: Tokens ``[0, chunks_stored_to)`` are stored as full
             chunks (found by the lookup or saved); a multiple of the chunk size.
@@ -49,7 +49,7 @@ class RequestState:
     """
 
     keys: PrefixKeys
-    block_tokens: int
+    page_tokens: int
     num_prompt_tokens: int
     chunks_stored_to: int = 0
     tails_stored: set[int] = field(default_factory=set)
@@ -59,16 +59,16 @@ class RequestState:
     verify: list[ObjectRef] = field(default_factory=list)
 
     @staticmethod
-    def new(keys: PrefixKeys, block_tokens: int, prompt: Sequence[int]) -> RequestState:
+    def new(keys: PrefixKeys, page_tokens: int, prompt: Sequence[int]) -> RequestState:
         """A request seen for the first time; ``keys`` are grown over its prompt if need be."""
         if keys.num_tokens < len(prompt):
             keys.extend(prompt[keys.num_tokens :])
-        return RequestState(keys, block_tokens, len(prompt))
+        return RequestState(keys, page_tokens, len(prompt))
 
     def lookup_keys(self) -> tuple[list[int], list[bytes]]:
-        """Where a stored prefix of the prompt can end (every block boundary and its end), and
+        """Where a stored prefix of the prompt can end (every page boundary and its end), and
         the keys of those prefixes."""
-        ends = self.keys.lookup_ends(self.num_prompt_tokens, self.block_tokens)
+        ends = self.keys.lookup_ends(self.num_prompt_tokens, self.page_tokens)
         keys: list[bytes] = list(self.keys.keys_at(ends))
         return ends, keys
 
@@ -144,13 +144,13 @@ class RequestState:
         """The tail of the first ``computed`` tokens, unless stored (then marked stored).
 
         With ``exact`` it ends at ``computed`` (a prompt's end: the same prompt
-        again finds it); else at the last block boundary (a conversation's
+        again finds it); else at the last page boundary (a conversation's
         next round, which extends these tokens, finds it). None when it would
         end on a chunk boundary (the chunk is the object) or be empty, or when
         the chunks before it are not all stored (a tail is only found after
         its full chunks).
         """
-        c, b = self.chunk_size, self.block_tokens
+        c, b = self.chunk_size, self.page_tokens
         end = computed if exact else (computed // b) * b
         start = (end // c) * c
         if end == start or end in self.tails_stored or self.chunks_stored_to < start:

@@ -169,7 +169,7 @@ class ConnectorScheduler:
             state = None
             if reason is None:
                 state = RequestState.new(
-                    self._keys_for(request), self._config.block_tokens, request.prompt_token_ids
+                    self._keys_for(request), self._config.page_tokens, request.prompt_token_ids
                 )
             else:
                 self._counters.add("skipped_requests")
@@ -186,7 +186,7 @@ class ConnectorScheduler:
         keys = getattr(request, "prefix_keys", None)
         if isinstance(keys, PrefixKeys) and keys.namespace == ns:
             return keys  # NOTE: one hash per request: the engine's G1 and events read the same
-        return PrefixKeys(ns, self._config.block_tokens)
+        return PrefixKeys(ns, self._config.page_tokens)
 
     def _lookup_counted(self, what: str) -> None:
         self._counters.add(

@@ -212,9 +212,9 @@ def weights_fingerprint(model_dir: Path) -> str:
 
 def namespace_for(model: VllmModel, config: KvtierConfig, fingerprint: str) -> CacheNamespace:
     """The namespace of this model's KV (see the module docstring)."""
-    if config.chunk_size % config.block_tokens:
+    if config.chunk_size % config.page_tokens:
         raise ConfigError(
-            f"block_tokens {config.block_tokens} must divide chunk_size {config.chunk_size}"
+            f"page_tokens {config.page_tokens} must divide chunk_size {config.chunk_size}"
         )
     return CacheNamespace(
         model_id=model.model_id,

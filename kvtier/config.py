@@ -236,12 +236,15 @@ class KvtierConfig(_Strict):
     """Everything kvtier needs, one place."""
 
     chunk_size: int = Field(256, ge=16, le=65536)
-    block_tokens: int = Field(
-        16, ge=1, description="key granularity: a stored prefix is found to this many tokens"
+    page_tokens: int = Field(
+        16,
+        ge=1,
+        description="key granularity: a stored prefix is found to this many tokens (a page; "
+        "'block' means a stored object, `block:`)",
     )
     save_partial_chunks: bool = Field(
         True,
-        description="save tails: the block-aligned part of an unfinished last chunk, when a "
+        description="save tails: the page-aligned part of an unfinished last chunk, when a "
         "prompt's prefill ends (and, with save_decode, when a request ends)",
     )
     keys: KeysConfig = KeysConfig()
@@ -252,15 +255,25 @@ class KvtierConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     server: ServerConfig = Field(default_factory=ServerConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        # NOTE: `block_tokens` was renamed `page_tokens` (issue 18: "block" names a stored
+        # object); files that still say it keep loading.
+        if isinstance(data, dict) and "block_tokens" in data and "page_tokens" not in data:
+            logging.getLogger(__name__).warning("block_tokens is now called page_tokens")
+            data = {("page_tokens" if k == "block_tokens" else k): v for k, v in data.items()}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> KvtierConfig:
         if self.chunk_size % 16:
             raise ValueError(
                 f"chunk_size must be a multiple of 16 (the engine block size), got {self.chunk_size}"
             )
-        if self.chunk_size % self.block_tokens:
+        if self.chunk_size % self.page_tokens:
             raise ValueError(
-                f"block_tokens ({self.block_tokens}) must divide chunk_size ({self.chunk_size})"
+                f"page_tokens ({self.page_tokens}) must divide chunk_size ({self.chunk_size})"
             )
         names = [t.name for t in self.tiers]
         dupes = sorted({n for n in names if names.count(n) > 1})

@@ -224,41 +224,43 @@ def chunk_keys(
 
 
 class PrefixKeys:
-    """Keys of every block-aligned prefix of a growing token sequence, computed incrementally.
+    """Keys of every page-aligned prefix of a growing token sequence, computed incrementally.
 
-    A stored object covers tokens ``[c*C, c*C + j*B)``: chunk ``c`` (``C`` =
-    ``namespace.chunk_size`` tokens) or a leading part of it, ``j`` blocks of
-    ``B`` = ``block_tokens`` tokens. Its key is the chunk chain extended over
-    those tokens::
+    A *page* is ``P`` = ``page_tokens`` tokens: the granularity at which a
+    stored prefix is found (the engine's KV block, 16 tokens, by default;
+    "block" in kvtier's core means a stored object's bytes, ``kvtier.block``).
+    A stored object covers tokens ``[c*C, c*C + j*P)``: chunk ``c`` (``C`` =
+    ``namespace.chunk_size`` tokens) or a leading part of it, ``j`` pages.
+    Its key is the chunk chain extended over those tokens::
 
-        key(c, j) = H(K_{c-1} ‖ int32-LE tokens[c*C : c*C + j*B])     K_{-1} = root key
-        K_c       = key(c, C // B)                                    (the full chunk)
+        key(c, j) = H(K_{c-1} ‖ int32-LE tokens[c*C : c*C + j*P])     K_{-1} = root key
+        K_c       = key(c, C // P)                                    (the full chunk)
 
     so full-chunk keys are exactly ``chunk_keys``'s, and a part of a chunk has
     a key of its own that names the whole prefix it ends. Any prefix whose
-    length is a multiple of ``B`` has exactly one key: a lookup can ask for
+    length is a multiple of ``P`` has exactly one key: a lookup can ask for
     all of them in one batched call and find the longest stored prefix at
-    block granularity. Keys do not depend on ``B``: two engines with other
+    page granularity. Keys do not depend on ``P``: two engines with other
     block sizes agree on the boundaries they share.
 
     Args:
         namespace: Where these tokens' KV lives.
-        block_tokens: Key granularity; must divide ``namespace.chunk_size``.
+        page_tokens: Key granularity; must divide ``namespace.chunk_size``.
     """
 
-    def __init__(self, namespace: CacheNamespace, block_tokens: int = 16) -> None:
-        if block_tokens <= 0 or namespace.chunk_size % block_tokens:
+    def __init__(self, namespace: CacheNamespace, page_tokens: int = 16) -> None:
+        if page_tokens <= 0 or namespace.chunk_size % page_tokens:
             raise ConfigError(
-                f"block_tokens {block_tokens} must divide chunk_size {namespace.chunk_size}"
+                f"page_tokens {page_tokens} must divide chunk_size {namespace.chunk_size}"
             )
         self.namespace = namespace
-        self.block_tokens = block_tokens
-        self.blocks_per_chunk = namespace.chunk_size // block_tokens
+        self.page_tokens = page_tokens
+        self.pages_per_chunk = namespace.chunk_size // page_tokens
         self._data = bytearray()
-        self._keys: list[ChunkKey] = []  # key of the prefix ending at block b+1, b = 0, 1, ...
+        self._keys: list[ChunkKey] = []  # key of the prefix ending at page b+1, b = 0, 1, ...
         self._root = namespace.root_key()
         self._chain = self._root  # K of the last full chunk hashed so far
-        self._running: _Hasher | None = None  # H(K_{c-1} ‖ chunk c's blocks hashed so far)
+        self._running: _Hasher | None = None  # H(K_{c-1} ‖ chunk c's pages hashed so far)
 
     @property
     def num_tokens(self) -> int:
@@ -269,17 +271,17 @@ class PrefixKeys:
         """Appends tokens (the sequence only grows: a prompt, then generated tokens)."""
         self._data += _token_bytes(token_ids)
 
-    def _hash_to(self, num_blocks: int) -> None:
-        bt, per = self.block_tokens * 4, self.blocks_per_chunk
-        while len(self._keys) < num_blocks:
+    def _hash_to(self, num_pages: int) -> None:
+        bt, per = self.page_tokens * 4, self.pages_per_chunk
+        while len(self._keys) < num_pages:
             b = len(self._keys)
             if b % per == 0 or self._running is None:
                 self._running = self.namespace.chain(self._chain)
-            # NOTE: one running hash per chunk, copied at each block boundary:
+            # NOTE: one running hash per chunk, copied at each page boundary:
             # key(c, j) is still the plain function H(K_{c-1} ‖ tokens of
-            # chunk c up to block j) however the sequence was grown (a hash
+            # chunk c up to page j) however the sequence was grown (a hash
             # fed in parts equals the hash of the whole), and every token is
-            # hashed once instead of once per later block of its chunk.
+            # hashed once instead of once per later page of its chunk.
             self._running.update(self._data[b * bt : (b + 1) * bt])
             key = _key_of(self._running.copy())
             self._keys.append(key)
@@ -294,24 +296,24 @@ class PrefixKeys:
         """
         if num_tokens <= 0 or num_tokens > self.num_tokens:
             raise ValueError(f"no prefix of {num_tokens} tokens in {self.num_tokens} tokens")
-        b, rest = divmod(num_tokens, self.block_tokens)
+        b, rest = divmod(num_tokens, self.page_tokens)
         if rest == 0:
             self._hash_to(b)
             return self._keys[b - 1]
-        # off a block boundary (a prompt's exact end): hashed on its own, not cached
+        # off a page boundary (a prompt's exact end): hashed on its own, not cached
         self._hash_to(b)
-        c0 = (b // self.blocks_per_chunk) * self.blocks_per_chunk
+        c0 = (b // self.pages_per_chunk) * self.pages_per_chunk
         chain = self._keys[c0 - 1] if c0 else self._root
-        bt = self.block_tokens * 4
+        bt = self.page_tokens * 4
         h = self.namespace.chain(chain)
         h.update(self._data[c0 * bt : num_tokens * 4])
         return _key_of(h)
 
     def boundaries(self, num_tokens: int, step: int | None = None) -> list[int]:
         """Boundaries ``S, 2S, ...`` up to ``num_tokens`` (capped at the sequence); ``S`` is
-        ``step``, by default ``block_tokens`` (other steps are correct, and as fast when a
+        ``step``, by default ``page_tokens`` (other steps are correct, and as fast when a
         multiple of it)."""
-        s = step or self.block_tokens
+        s = step or self.page_tokens
         n = min(num_tokens, self.num_tokens) // s
         return [(b + 1) * s for b in range(n)]
 
@@ -320,7 +322,7 @@ class PrefixKeys:
         (``boundaries``), and ``num_tokens`` itself (a prompt's exact end)."""
         n = min(num_tokens, self.num_tokens)
         ends = self.boundaries(n, step)
-        return [*ends, n] if n % (step or self.block_tokens) else ends
+        return [*ends, n] if n % (step or self.page_tokens) else ends
 
     def keys_at(self, ends: Sequence[int]) -> list[ChunkKey]:
         """The keys of the prefixes ending at ``ends``."""

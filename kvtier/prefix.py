@@ -1,4 +1,4 @@
-"""Which stored objects make up a request's longest stored prefix, at block granularity.
+"""Which stored objects make up a request's longest stored prefix, at page granularity.
 
 Shared by the connector (lookups, save plans), the router (matching a prompt
 against every engine's keys) and the engine's KV events; it imports nothing
@@ -6,26 +6,26 @@ but :mod:`kvtier.keys`.
 
 Objects are chunk-sized or shorter (see ``kvtier.keys.PrefixKeys``)::
 
-    tokens   0        C        2C       3C            (C = chunk size, B = block)
-    objects  [ full 0 ][ full 1 ][ tail: j blocks )
-             key(0,C/B) key(1,C/B) key(2,j)
+    tokens   0        C        2C       3C            (C = chunk size, P = page)
+    objects  [ full 0 ][ full 1 ][ tail: j pages  )
+             key(0,C/P) key(1,C/P) key(2,j)
 
 A full chunk object is saved once its C tokens are computed; a *tail* —
 the part of a last, unfinished chunk — when a prompt's prefill ends (up to
 the prompt's exact end, so the same prompt again recomputes one token) and
 when a request ends (prompt plus what it generated, up to the last full
-block: the next round of a conversation extends it). A lookup asks the
-store, in one batched call, for the key of every block boundary of the
+page: the next round of a conversation extends it). A lookup asks the
+store, in one batched call, for the key of every page boundary of the
 prompt and of its end; the prefix is the run of full chunks from token 0,
 then the longest tail found inside the first chunk that is not stored whole.
 
-NOTE: why tails and not one object per block: a block of SmolLM2 KV is
+NOTE: why tails and not one object per page: a page of SmolLM2 KV is
 ~360 KiB and a request's prefix would be hundreds of objects, each a tier
 round trip and a header; a per-request tail keeps objects chunk-sized (few
 round trips, little overhead) and still lets a prompt that was stored before
 (the same prompt again, or the next round of a conversation, which extends
 the last round's prompt and answer) recompute at most the tokens after its
-last full block, as the engine's own prefix cache (G1) would. What tails do
+last full page, as the engine's own prefix cache (G1) would. What tails do
 not serve is a new suffix that forks *inside* another request's tail (two
 questions about one document): that reuses the document's full chunks and
 recomputes the rest of the fork's chunk (docs/architecture.md, "Keys").
@@ -80,7 +80,7 @@ def longest_stored_prefix(
         limit: Look no further than this many tokens.
         present: For each end of ``keys.lookup_ends(limit, step)``, whether an
             object ending there is stored.
-        step: Granularity of the lookup (default: the keys' ``block_tokens``).
+        step: Granularity of the lookup (default: the keys' ``page_tokens``).
     """
     chunk = keys.namespace.chunk_size
     ends = keys.lookup_ends(limit, step)

@@ -30,28 +30,28 @@ class PromptKeys:
 
     Attributes:
         num_tokens: Prompt length.
-        block_tokens: Distance between two G1 boundaries.
+        page_tokens: Distance between two G1 boundaries (the engines' block size).
         boundary_keys: Key of the prefix ending at each block boundary, in order.
         keys: The prompt's ``PrefixKeys`` (for the shared-tier lookup).
     """
 
     num_tokens: int
-    block_tokens: int
+    page_tokens: int
     boundary_keys: list[bytes]
     keys: PrefixKeys
 
 
 def prompt_keys(
-    token_ids: Sequence[int], namespace: CacheNamespace, block_tokens: int
+    token_ids: Sequence[int], namespace: CacheNamespace, page_tokens: int
 ) -> PromptKeys:
     """Every block-boundary key of a prompt (O(prompt): one hash pass per chunk)."""
-    keys = PrefixKeys(namespace, block_tokens)
+    keys = PrefixKeys(namespace, page_tokens)
     keys.extend(token_ids)
     # NOTE: G1 never holds the block with a prompt's last token (at least one is
     # computed), so boundaries stop before the end, as the engine's own lookup.
     limit = max(0, len(token_ids) - 1)
     boundary = [bytes(k) for k in keys.keys_at(keys.boundaries(limit))]
-    return PromptKeys(len(token_ids), block_tokens, boundary, keys)
+    return PromptKeys(len(token_ids), page_tokens, boundary, keys)
 
 
 class PrefixIndex:
@@ -110,7 +110,7 @@ class PrefixIndex:
             if key not in held:
                 break
             n += 1
-        return n * pk.block_tokens
+        return n * pk.page_tokens
 
     def shared_tokens(self, pk: PromptKeys) -> int:
         """Leading prompt tokens the shared tier holds (as an engine's connector finds them)."""

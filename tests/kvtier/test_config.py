@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import main
-from kvtier.config import CpuTierConfig, DiskTierConfig, dump_config, load_config
+from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig, dump_config, load_config
 from kvtier.errors import ConfigError
 from kvtier.factory import build_store
 from kvtier.units import parse_bytes
@@ -159,3 +159,9 @@ def test_parse_bytes() -> None:
     for bad in ("", "abc", "-1GiB", "5 parsecs", True):
         with pytest.raises(ValueError):
             parse_bytes(bad)  # type: ignore[arg-type]
+
+
+def test_block_tokens_is_read_as_page_tokens() -> None:
+    """The key granularity was renamed (issue 18); files that still say block_tokens load."""
+    assert KvtierConfig.model_validate({"block_tokens": 32}).page_tokens == 32
+    assert KvtierConfig().page_tokens == 16

@@ -38,7 +38,7 @@ def kvtier_config(path: Path, **connector: Any) -> KvtierConfig:
     """One disk tier at ``path``, 64-token chunks, 16-token key blocks."""
     return KvtierConfig(
         chunk_size=CHUNK,
-        block_tokens=16,
+        page_tokens=16,
         tiers=[DiskTierConfig(path=path, capacity=64 << 20)],
         connector={"min_load_tokens": 16, **connector},
     )
