@@ -292,15 +292,17 @@ def node_kill(
     tier.close()
 
     def window(a: float, b: float) -> dict[str, Any]:
-        lat = [d for s, d in calls if a <= s < b]
-        if not lat:
-            return {"calls": 0}
-        return {
-            "calls": len(lat),
-            "p50_ms": round(percentile(lat, 0.5) * 1e3, 1),
-            "p99_ms": round(percentile(lat, 0.99) * 1e3, 1),
-            "max_ms": round(max(lat) * 1e3, 1),
-        }
+        out: dict[str, Any] = {}
+        for op in ("get", "put"):
+            lat = [d for s, d, o in calls if a <= s < b and o == op]
+            out[op] = {"calls": len(lat)}
+            if lat:
+                out[op].update(
+                    p50_ms=round(percentile(lat, 0.5) * 1e3, 1),
+                    p99_ms=round(percentile(lat, 0.99) * 1e3, 1),
+                    max_ms=round(max(lat) * 1e3, 1),
+                )
+        return out
 
     return {
         "tier": "aerospike",
@@ -312,7 +314,8 @@ def node_kill(
         "lost_acknowledged_writes": lost,
         "wrong_bytes_returned": counts["wrong"] + wrong_after,
         "failed_requests": counts["failed"],
-        "max_stall_ms": round(max(d for _, d in calls) * 1e3, 1),
+        "max_stall_ms": round(max(d for _, d, _ in calls) * 1e3, 1),
+        "max_stall_get_ms": round(max((d for _, d, o in calls if o == "get"), default=0) * 1e3, 1),
         "recomputes": counts["recomputes"],
         "dropped_saves": counts["dropped_saves"],
         "puts": counts["puts"],

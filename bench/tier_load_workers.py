@@ -133,7 +133,7 @@ class KillLoad:
     """What one client did while a node was killed (see ``node_kill`` in bench/tier_load.py)."""
 
     counts: dict[str, int] = field(default_factory=dict)
-    calls: list[tuple[float, float]] = field(default_factory=list)  # (start since t0, seconds)
+    calls: list[tuple[float, float, str]] = field(default_factory=list)  # (since t0, s, op)
     live: dict[bytes, int] = field(default_factory=dict)  # acknowledged key -> xxh3_128
 
 
@@ -164,12 +164,12 @@ def kill_load(config: dict[str, Any], block: bytes, ci: int, t0: float, stop: st
     slots: list[bytes | None] = [None] * ring
     s = 0
 
-    def timed(fn: Any) -> Any:
+    def timed(op: str, fn: Any) -> Any:
         start = time.time()
         try:
             return fn()
         finally:
-            out.calls.append((start - t0, time.time() - start))
+            out.calls.append((start - t0, time.time() - start, op))
 
     while not os.path.exists(stop):
         old = slots[s]
@@ -180,7 +180,7 @@ def kill_load(config: dict[str, Any], block: bytes, ci: int, t0: float, stop: st
         key = os.urandom(16)
         out.counts["puts"] += 1
         try:
-            ok = timed(lambda k=key, b=variants[s]: tier.put([(k, b)])[0])
+            ok = timed("put", lambda k=key, b=variants[s]: tier.put([(k, b)])[0])
         except KvtierError:
             ok = False
             time.sleep(0.01)  # as a saver would: no spinning on a skipped tier
@@ -197,7 +197,7 @@ def kill_load(config: dict[str, Any], block: bytes, ci: int, t0: float, stop: st
         want_key = list(out.live)[(ci + out.counts["gets"]) % len(out.live)]
         out.counts["gets"] += 1
         try:
-            got = timed(lambda k=want_key: tier.get([k])[0])
+            got = timed("get", lambda k=want_key: tier.get([k])[0])
         except KvtierError:
             got = None
             time.sleep(0.01)
