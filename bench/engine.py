@@ -1,7 +1,7 @@
 """The bundled engine beside transformers (same weights, dtype, threads, SDPA attention).
 
-    python bench/engine.py --quick                 # SmolLM2 GGUF, under a minute
-    python bench/engine.py --model PATH --dtype float32 --threads 1
+    python -m bench.engine --quick                 # SmolLM2 GGUF, under a minute
+    python -m bench.engine --model PATH --dtype float32 --threads 1
 
 Figures:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +33,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, table
-
+from bench.lib.common import emit, machine, table
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.models.hf_export import to_transformers
 

@@ -1,8 +1,8 @@
 """The engine's serving costs in CPU seconds, for this checkout or another one (before/after).
 
-    python bench/engine_probes.py --dtype float32
+    python -m bench.engine_probes --dtype float32
     git worktree add /tmp/kv-before 5d2cc36
-    python bench/engine_probes.py --dtype float32 --checkout /tmp/kv-before
+    python -m bench.engine_probes --dtype float32 --checkout /tmp/kv-before
 
 Probes on SmolLM2-135M, ``LLMEngine.step()`` timed with
 ``time.process_time()`` on one thread (steady while other jobs share the
@@ -59,11 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.checkout is not None:
         import_from(args.checkout.resolve())
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import emit, machine, table
-    from serve_calibrate import cpu_flags
-    from serve_workloads import TextMaker
-
+    from bench.lib.common import emit, machine, table
+    from bench.lib.serve_calibrate import cpu_flags
+    from bench.lib.serve_workloads import TextMaker
     from kvtier.engine import SamplingParams
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.llm_engine import LLMEngine

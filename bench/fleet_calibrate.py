@@ -1,13 +1,13 @@
 """Calibrate the fleet simulation's step-cost model on the bundled engine (SmolLM2-135M).
 
-    python bench/fleet_calibrate.py --threads 1 --clock cpu     # ~1 min on a 2-core CPU
-    python bench/fleet_sim.py --calibration <(python bench/fleet_calibrate.py | tail -1)
+    python -m bench.fleet_calibrate --threads 1 --clock cpu     # ~1 min on a 2-core CPU
+    python -m bench.fleet_sim --calibration <(python -m bench.fleet_calibrate | tail -1)
 
 Times single engine steps of known shape and fits, by least squares,
 
     step_s = base + a·prefill_tokens + b·attention_pairs + s·decode_seqs + c·decode_context_tokens
 
-(``bench/fleet_costs.py``) where ``attention_pairs`` of a prefill chunk of ``n`` tokens after ``p`` computed
+(``bench/fleet/costs.py``) where ``attention_pairs`` of a prefill chunk of ``n`` tokens after ``p`` computed
 ones is ``n·p + n·(n+1)/2`` (each new token attends to everything before it).
 Shapes: fresh prompts of 256 / 1,024 / 2,048 tokens (one step each), a
 3,072-token prompt (its second step is a 1,024-token chunk after 2,048), and
@@ -16,7 +16,7 @@ decode-only steps at batch 1 / 8 with 128-token contexts and batch 1 / 6 with
 them up costs one prefill). Each prefill shape is the best of two fresh
 prompts; each decode shape the median of its steps.
 
-The ``cpu-smollm2`` profile of ``bench/fleet_costs.py`` takes its per-context
+The ``cpu-smollm2`` profile of ``bench/fleet/costs.py`` takes its per-context
 decode term from one run of this script (docs/fleet.md); its JSON line, given to
 ``bench/fleet_sim.py --calibration``, replaces a profile's engine constants.
 A table, then one JSON line last.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -36,11 +35,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, machine, table
-from fleet_costs import StepCosts, StepFigure, chunk_pairs, fit_step_costs
-
+from bench.fleet.costs import StepCosts, StepFigure, chunk_pairs, fit_step_costs
+from bench.lib.common import emit, machine, table
 from kvtier.connectors.demo import default_model_path
 from kvtier.engine import LLMEngine, SamplingParams
 from kvtier.engine.config import EngineConfig

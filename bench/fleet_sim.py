@@ -1,9 +1,9 @@
 """Fleet simulation: routing policies and P/D disaggregation over a shared KV tier, at scale.
 
-    python bench/fleet_sim.py --quick        # 64 engines, ~2,900 requests (~25 s on a 2-core CPU)
-    python bench/fleet_sim.py                # 256 engines, ~11,600 requests (minutes)
-    python bench/fleet_sim.py --profile gpu-8b --quick --sessions 3000   # ASSUMED GPU constants
-    python bench/fleet_sim.py --calibration calib.json    # engine constants from fleet_calibrate.py
+    python -m bench.fleet_sim --quick        # 64 engines, ~2,900 requests (~25 s on a 2-core CPU)
+    python -m bench.fleet_sim                # 256 engines, ~11,600 requests (minutes)
+    python -m bench.fleet_sim --profile gpu-8b --quick --sessions 3000   # ASSUMED GPU constants
+    python -m bench.fleet_sim --calibration calib.json    # engine constants from fleet_calibrate.py
 
 A discrete-event simulation (``fleet_model.py``) of N engines behind a router,
 each a continuous-batching step loop over its own KV memory (G1), optionally
@@ -21,21 +21,17 @@ hit-rate plot. Plots go to ``bench/plots/fleet-ttft.png`` and
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, table
-from fleet_costs import PROFILES, Profile, load_profile
-from fleet_metrics import summarize
-from fleet_model import MODES, FleetSpec, run_fleet
-from fleet_router import POLICIES
-from fleet_workload import WorkloadSpec, build_sessions
-
+from bench.fleet.costs import PROFILES, Profile, load_profile
+from bench.fleet.metrics import summarize
+from bench.fleet.model import MODES, FleetSpec, run_fleet
+from bench.fleet.router import POLICIES
+from bench.fleet.workload import WorkloadSpec, build_sessions
+from bench.lib.common import emit, table
 from kvtier.router.policy import Weights
 
 SWEEP_MODES = ("colocated", "colocated+tier")
@@ -255,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "sweep": {"engines": args.sweep_engines, "results": sweep} if sweep else None,
     }
     if not args.no_plots:
-        from fleet_plots import plot_hit_rate, plot_ttft
+        from bench.fleet.plots import plot_hit_rate, plot_ttft
 
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Bandwidth of the KV kernels, each as a ratio to a plain copy_ of the same bytes.
 
-    python bench/kernels.py --quick               # CPU here: the torch reference
-    python bench/kernels.py --quick --threads 1   # on a shared CPU host
-    python bench/kernels.py --device cuda         # Triton kernels and torch reference
+    python -m bench.kernels --quick               # CPU here: the torch reference
+    python -m bench.kernels --quick --threads 1   # on a shared CPU host
+    python -m bench.kernels --device cuda         # Triton kernels and torch reference
 
 Per model shape (a 256-token chunk, bf16, block_size 16, its 16 blocks drawn
 at random from a cache of 64 blocks) and op:
@@ -27,20 +27,15 @@ one device sync, shown in its own row), timed with CUDA events.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, machine, table, timeit
-
+from bench.lib.common import emit, machine, table, timeit
 from kvtier.kernels import reference, slots_for_tokens, triton_kv
 
 SHAPES = {  # name: (layers, kv heads, head_dim)

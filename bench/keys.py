@@ -1,7 +1,7 @@
 """What computing chunk keys costs: SHA-256 (the default) against xxh3, on real prompts.
 
-    python bench/keys.py --quick     # keys for 2k / 8k / 32k tokens; a cold 2k prefill (< 1 min)
-    python bench/keys.py             # also a cold 8k prefill, more samples
+    python -m bench.keys --quick     # keys for 2k / 8k / 32k tokens; a cold 2k prefill (< 1 min)
+    python -m bench.keys             # also a cold 8k prefill, more samples
 
 Per prompt length and hash, the time the connector spends on a request's keys:
 ``PrefixKeys`` over the prompt, then the key of every 16-token block boundary
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,10 +47,7 @@ from typing import Any
 
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, load_average, machine, table, tune_allocator
-
+from bench.lib.common import emit, load_average, machine, table, tune_allocator
 from kvtier.connectors.demo import default_model_path, document
 from kvtier.keys import CacheNamespace, KeyHash, PrefixKeys
 

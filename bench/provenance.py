@@ -1,7 +1,7 @@
 """What provenance stamps cost the cache server: stamping on put, checking on reads from shared storage.
 
-    python bench/provenance.py --quick     # 4 MiB blocks only (seconds)
-    python bench/provenance.py             # 256 KiB, 4 MiB (about a SmolLM2 chunk) and 32 MiB
+    python -m bench.provenance --quick     # 4 MiB blocks only (seconds)
+    python -m bench.provenance             # 256 KiB, 4 MiB (about a SmolLM2 chunk) and 32 MiB
 
 For each block size: the time of :func:`kvtier.provenance.stamp` (a SHA-256
 pass over the block, an HMAC, and one copy of the block with its trailer:
@@ -21,17 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import machine, table
-
+from bench.lib.common import machine, table
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.keys import KEY_BYTES

@@ -1,14 +1,14 @@
 """Multi-user serving: a load generator for OpenAI-compatible servers, and the systems it compares.
 
-    python bench/serve.py --quick                          # 5 systems, the reference workload (< 10 min)
-    python bench/serve.py --target http://127.0.0.1:8000   # any running server
-    python bench/serve.py --systems kvtier,kvtier_small_g1,kvtier_small_g1_cpu_tier
-    python bench/serve.py --systems kvtier,vllm --sweep-qps 0.3,0.6,1.2
-    python bench/serve.py --workload doc-qa --systems kvtier_small_g1,kvtier_small_g1_cpu_tier
-    python bench/serve.py --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier
-    python bench/serve.py --quick --router                 # two engines behind kvtier router
+    python -m bench.serve --quick                          # 5 systems, the reference workload (< 10 min)
+    python -m bench.serve --target http://127.0.0.1:8000   # any running server
+    python -m bench.serve --systems kvtier,kvtier_small_g1,kvtier_small_g1_cpu_tier
+    python -m bench.serve --systems kvtier,vllm --sweep-qps 0.3,0.6,1.2
+    python -m bench.serve --workload doc-qa --systems kvtier_small_g1,kvtier_small_g1_cpu_tier
+    python -m bench.serve --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier
+    python -m bench.serve --quick --router                 # two engines behind kvtier router
 
-Workloads (``bench/serve_workloads.py``): ``multi-round`` — by default the
+Workloads (``bench/lib/serve_workloads.py``): ``multi-round`` — by default the
 reference workload: 6 users, a 1,000-token system prompt shared by all,
 1,000 tokens of context per user, 4 rounds each re-sending the whole history
 (earlier questions and the server's actual answers), 20-token answers
@@ -19,22 +19,22 @@ is later. ``doc-qa`` — documents of 1,000-3,000 tokens (never a multiple of
 workload at each rate against the same server; each rate uses its own seed
 (``--seed`` + its index), so no rate starts with the text of another cached.
 
-``--systems`` starts each system itself (``bench/serve_systems.py``), warms
+``--systems`` starts each system itself (``bench/lib/serve_systems.py``), warms
 it up with one request of its own 600-token text (so a KV connector has
 saved once before the measurement), runs the workload, and stops it; a system
 whose peer is not installed (vLLM; LMCache, ``scripts/setup_lmcache.sh``) is
 skipped with a note. ``--target`` measures a server that is already running.
 
-Per request (``bench/serve_client.py``): TTFT, inter-token gaps (one per
+Per request (``bench/lib/serve_client.py``): TTFT, inter-token gaps (one per
 streamed content chunk), end-to-end latency, prompt / completion / cached
-tokens. Per run (``bench/serve_stats.py``): p50/p90/p99 of TTFT, ITL and
+tokens. Per run (``bench/lib/serve_stats.py``): p50/p90/p99 of TTFT, ITL and
 end-to-end latency (linear interpolation, as numpy), requests/s and prompt
 and output tokens/s over the run's duration (start to last completion).
 
 **Hit rate** = prompt tokens served from any cache (the engine's own prefix
 cache plus tokens loaded by a KV connector) / prompt tokens looked up, from
 the server's ``/metrics`` counters before and after the run
-(``bench/serve_metrics.py`` names them). ``hit_rate_usage`` is the same
+(``bench/lib/serve_metrics.py`` names them). ``hit_rate_usage`` is the same
 ratio from the responses: sum of ``usage.prompt_tokens_details.cached_tokens``
 / sum of ``usage.prompt_tokens``. ``hit_rate`` is the metrics one when the
 server has those counters, else the usage one (``hit_rate_source``). LMCache's
@@ -71,14 +71,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-from common import emit, machine
-from serve_calibrate import calibrate, cpu_flags, host_fastest_dtype
-from serve_client import Limits, RunResult, run_workload, warm_up
-from serve_metrics import delta, run_metrics, scrape
-from serve_report import (
+
+from bench.lib.common import emit, machine
+from bench.lib.serve_calibrate import calibrate, cpu_flags, host_fastest_dtype
+from bench.lib.serve_client import Limits, RunResult, run_workload, warm_up
+from bench.lib.serve_metrics import delta, run_metrics, scrape
+from bench.lib.serve_report import (
     SUSTAINED_CDF,
     bar_lines,
     bars,
@@ -89,8 +88,8 @@ from serve_report import (
     report_table,
     sustained_table,
 )
-from serve_stats import summarize
-from serve_systems import (
+from bench.lib.serve_stats import summarize
+from bench.lib.serve_systems import (
     SERVED_NAME,
     Running,
     SystemOptions,
@@ -100,7 +99,7 @@ from serve_systems import (
     log_tail,
     running_system,
 )
-from serve_workloads import (
+from bench.lib.serve_workloads import (
     DocQaConfig,
     MultiRoundConfig,
     SustainedConfig,
@@ -109,9 +108,9 @@ from serve_workloads import (
     build_multi_round,
     build_sustained,
     sustained_user_rate,
+    token_counter,
     warmup_messages,
 )
-
 from kvtier.units import parse_bytes
 
 QUICK_SYSTEMS = "vllm,kvtier,vllm_small_kv,kvtier_small_g1,kvtier_small_g1_cpu_tier"
@@ -243,16 +242,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.target is None and args.systems is None:
         args.systems = QUICK_SYSTEMS if args.quick else "kvtier"
     return args
-
-
-def token_counter(tokenizer: str) -> Callable[[str], int]:
-    """Counts tokens of a text with the model's tokenizer (no weights are loaded)."""
-    from kvtier.engine.fetch import lookup_known, resolve_model
-    from kvtier.engine.models.loader import load_tokenizer
-
-    path = resolve_model(tokenizer) if lookup_known(tokenizer) else Path(tokenizer)
-    tok = load_tokenizer(path)
-    return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
 def sustained_config(args: argparse.Namespace, user_rate: float, seed: int) -> SustainedConfig:
@@ -546,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     args = parse_args(argv)
     if args.router:
-        from serve_router import main as router_main
+        from bench.serve_router import main as router_main
 
         router_main(["--quick"] if args.quick else [])
         return

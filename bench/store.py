@@ -1,9 +1,9 @@
 """Put/get throughput of kvtier's tiers, each as a ratio to memcpy in the same run.
 
-    python bench/store.py --quick
-    python bench/store.py --tiers cpu,disk --sizes 256KiB,1MiB,4MiB,16MiB,32MiB
-    python bench/store.py --tiers server --sizes 256KiB,4MiB,32MiB   # + redis if installed
-    python bench/store.py --quick --tiers server,server-grpc          # data plane vs gRPC
+    python -m bench.store --quick
+    python -m bench.store --tiers cpu,disk --sizes 256KiB,1MiB,4MiB,16MiB,32MiB
+    python -m bench.store --tiers server --sizes 256KiB,4MiB,32MiB   # + redis if installed
+    python -m bench.store --quick --tiers server,server-grpc          # data plane vs gRPC
 
 What is measured, per tier and block size (GB/s of block bytes), with every
 copy done by numpy (single-threaded memcpy, like the baseline):
@@ -24,7 +24,7 @@ numpy, measured in the same run right after the tier's figures. Disk figures are
 between writing and reading): an upper bound for a real disk.
 
 ``server`` is the remote tier talking to a ``kvtier serve`` subprocess over
-loopback (CPU-only storage on the server; ``bench/peers.py``), block bytes
+loopback (CPU-only storage on the server; ``bench/lib/peers.py``), block bytes
 over the server's bulk data plane; ``server-grpc`` is the same tier and
 server with the data plane off in the client (Get/Put over gRPC). When
 ``redis-server`` is on PATH, ``redis`` (redis-py + hiredis against a
@@ -50,11 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, machine, table, timeit, tune_allocator
-from peers import RedisProcess, RedisTier, ServerProcess
-
+from bench.lib.common import emit, machine, table, timeit, tune_allocator
+from bench.lib.peers import RedisProcess, RedisTier, ServerProcess
 from kvtier.block import activation_like_kv, decode_block, encode_block
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
@@ -236,7 +233,6 @@ def main() -> None:
         if "redis" in tiers:
             peers["redis"] = stack.enter_context(RedisProcess(peer_memory))
         if "aerospike" in tiers:
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
             from tests.support.aerospike_server import AerospikeTestServer
 
             peers["aerospike"] = stack.enter_context(AerospikeTestServer())

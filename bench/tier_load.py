@@ -1,7 +1,7 @@
 """Predictability under load: fleet tiers' get/put latency from 1 to 64 concurrent clients.
 
-    python bench/tier_load.py --quick --tiers aerospike,server,redis --concurrency 1,8,32
-    python bench/tier_load.py                       # 1,2,4,8,16,32,64 clients, more samples
+    python -m bench.tier_load --quick --tiers aerospike,server,redis --concurrency 1,8,32
+    python -m bench.tier_load                       # 1,2,4,8,16,32,64 clients, more samples
 
 Stores, each driven by N clients at once. Each client is a process of its
 own with its own store client, as N engine processes of a fleet are
@@ -19,7 +19,7 @@ than on the store.
   settings but for longer timeouts (a timeout here would be an error, not a
   latency). Both use the same client policies.
 * ``server``: kvtier's remote tier against a ``kvtier serve`` subprocess
-  (CPU storage, bulk data plane; bench/peers.py).
+  (CPU storage, bulk data plane; bench/lib/peers.py).
 * ``redis``: Debian's ``redis-server`` (``apt-get install redis-server``)
   started on a free port, no persistence; redis-py, one connection per client.
 
@@ -69,14 +69,10 @@ from typing import Any
 
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import emit, machine, table, tune_allocator
-from peers import RedisProcess, ServerProcess
-from tier_load_clients import CHUNKS, object_block, percentile
-from tier_load_workers import PhaseResult, Store, ThreadDriver, WorkerPool
-
+from bench.lib.common import emit, machine, table, tune_allocator
+from bench.lib.peers import RedisProcess, ServerProcess
+from bench.tier_load_clients import CHUNKS, object_block, percentile
+from bench.tier_load_workers import PhaseResult, Store, ThreadDriver, WorkerPool
 from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from tests.support import aerospike_cluster

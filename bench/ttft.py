@@ -1,11 +1,11 @@
 """Time to first token: cold, G1 hit, and loaded from kvtier (in-process and across processes).
 
-    python bench/ttft.py --quick       # random lengths, quiet then with one core busy (1-2 min)
-    python bench/ttft.py               # also k prompts of 1,024 / 2,048 / 4,096 tokens, int8,
+    python -m bench.ttft --quick       # random lengths, quiet then with one core busy (1-2 min)
+    python -m bench.ttft               # also k prompts of 1,024 / 2,048 / 4,096 tokens, int8,
                                        # the cost of saving, int8 fidelity
-    python bench/ttft.py --contend     # the whole run with one core kept busy
-    python bench/ttft.py --policies    # engine thread policies, quiet and with one core busy
-    python bench/ttft.py --policies all-cores,auto --hosts quiet --rounds 4   # an A/B
+    python -m bench.ttft --contend     # the whole run with one core kept busy
+    python -m bench.ttft --policies    # engine thread policies, quiet and with one core busy
+    python -m bench.ttft --policies all-cores,auto --hosts quiet --rounds 4   # an A/B
 
 Paths, per prompt, on SmolLM2-135M (or --model):
 
@@ -61,10 +61,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import busy_core, drop_page_cache, emit, load_average, machine, table, tune_allocator
-
+from bench.lib.common import (
+    busy_core,
+    drop_page_cache,
+    emit,
+    load_average,
+    machine,
+    table,
+    tune_allocator,
+)
 from kvtier.config import KvtierConfig
 from kvtier.connectors.demo import default_model_path, document
 from kvtier.connectors.fidelity import kv_relative_error, top1_agreement
@@ -236,10 +241,15 @@ def disk_child(spec: dict[str, Any]) -> None:
 
 
 def run_child(flag: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-    """Runs this script as a child with ``flag``; its last stdout line, parsed."""
-    cmd = [sys.executable, __file__, flag, json.dumps(spec)]
+    """Runs this module as a child with ``flag``; its last stdout line, parsed."""
+    cmd = [sys.executable, "-m", "bench.ttft", flag, json.dumps(spec)]
     proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE, text=True, check=True, env={**os.environ, **(env or {})}
+        cmd,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        env={**os.environ, **(env or {})},
+        cwd=Path(__file__).resolve().parents[1],  # the repository root: ``bench`` is importable
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

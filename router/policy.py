@@ -15,7 +15,7 @@
   second engine computes the prefix once, then holds it too).
 
 The policy sees an engine only through :class:`Routable` (its load and its
-queued prefill), so the fleet simulation (``bench/fleet_router.py``) runs
+queued prefill), so the fleet simulation (``bench/fleet/router.py``) runs
 this very code on simulated engines.
 """
 

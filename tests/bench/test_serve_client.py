@@ -7,12 +7,19 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from serve_client import Limits, RequestRecord, chat_payload, run_workload, stream_chat, warm_up
-from serve_metrics import delta, run_metrics, scrape
-from serve_stats import summarize
-from serve_systems import free_port
-from serve_workloads import Conversation, Lane, SingleTurn, Workload
 
+from bench.lib.serve_client import (
+    Limits,
+    RequestRecord,
+    chat_payload,
+    run_workload,
+    stream_chat,
+    warm_up,
+)
+from bench.lib.serve_metrics import delta, run_metrics, scrape
+from bench.lib.serve_stats import summarize
+from bench.lib.serve_systems import free_port
+from bench.lib.serve_workloads import Conversation, Lane, SingleTurn, Workload
 from tests.bench.fake_openai import FakeOpenAI
 
 

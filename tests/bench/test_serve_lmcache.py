@@ -13,15 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import serve
-from serve_systems import (
+
+from bench import serve
+from bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemUnavailable,
     running_system,
     vllm_server_kwargs,
 )
-from vllm_peer import (
+from bench.lib.vllm_peer import (
     LMCacheServer,
     VllmError,
     VllmServer,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from serve_metrics import cache_counters, delta, parse_metrics, run_metrics, total
+
+from bench.lib.serve_metrics import cache_counters, delta, parse_metrics, run_metrics, total
 
 VLLM_BEFORE = """\
 # HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.

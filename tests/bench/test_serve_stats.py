@@ -6,8 +6,9 @@ import random
 
 import numpy as np
 import pytest
-from serve_client import RequestRecord, RunResult
-from serve_stats import percentile, summarize
+
+from bench.lib.serve_client import RequestRecord, RunResult
+from bench.lib.serve_stats import percentile, summarize
 
 
 def test_percentile_known_values() -> None:

@@ -8,7 +8,8 @@ import re
 from collections import Counter
 
 import pytest
-from serve_workloads import (
+
+from bench.lib.serve_workloads import (
     Conversation,
     DocQaConfig,
     MultiRoundConfig,

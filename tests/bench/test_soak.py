@@ -6,9 +6,9 @@ import json
 from typing import Any
 
 import pytest
-import soak
 
 import kvtier.store
+from bench import soak
 from kvtier.server_config import NamespaceConfig, ServerConfig
 
 FIELDS = {

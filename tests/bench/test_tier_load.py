@@ -6,9 +6,16 @@ import os
 
 import pytest
 import torch
-from tier_load import bars
-from tier_load_clients import CHUNKS, ModelChunk, bound_to, object_block, percentile, same_object
 
+from bench.tier_load import bars
+from bench.tier_load_clients import (
+    CHUNKS,
+    ModelChunk,
+    bound_to,
+    object_block,
+    percentile,
+    same_object,
+)
 from kvtier.block import verify_block
 from kvtier.errors import KeyMismatchError
 

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-BENCH = str(Path(__file__).resolve().parents[2] / "bench")
-if BENCH not in sys.path:
-    sys.path.append(BENCH)
-
-import serve_router  # noqa: E402
+from bench import serve_router
 
 
 def _run(hit: float | None, ttft_p99: float, itl_p99: float) -> dict[str, float | None]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.vllm_peer import find_vllm
+from bench.lib.vllm_peer import find_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.vllm_peer import SMOLLM2_HF_NAME, VllmServer, find_vllm
 from bench.vllm import (
     KvtierServe,
     complete,
@@ -43,7 +44,6 @@ from bench.vllm import (
     wait_saved,
     write_kvtier_config,
 )
-from bench.vllm_peer import SMOLLM2_HF_NAME, VllmServer, find_vllm
 from kvtier.config import load_config
 from kvtier.connectors.kvtier_connector import KvtierConnector
 from kvtier.engine import LLM, SamplingParams

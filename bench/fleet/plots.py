@@ -1,7 +1,7 @@
 """Plots of ``bench/fleet_sim.py``'s JSON summary: TTFT per mode and policy, hit rate vs fleet size.
 
-python bench/fleet_sim.py --quick | tail -1 > /tmp/fleet.json
-python bench/fleet_plots.py /tmp/fleet.json --out bench/plots
+python -m bench.fleet_sim --quick | tail -1 > /tmp/fleet.json
+python -m bench.fleet.plots /tmp/fleet.json --out bench/plots
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from fleet_model import MODES
-from fleet_router import POLICIES
+
+from bench.fleet.model import MODES
+from bench.fleet.router import POLICIES
 
 COLORS = {"round_robin": "tab:gray", "least_loaded": "tab:blue", "cache_aware": "tab:orange"}
 MARKERS = {"round_robin": "s", "least_loaded": "^", "cache_aware": "o"}
@@ -106,7 +107,7 @@ def plot_hit_rate(summary: dict[str, Any], out: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("summary", help="a file whose last line is fleet_sim.py's JSON")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "plots"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "plots"))
     args = ap.parse_args()
     summary = json.loads(Path(args.summary).read_text().strip().splitlines()[-1])
     out = Path(args.out)

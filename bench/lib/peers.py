@@ -27,7 +27,7 @@ from types import TracebackType
 
 from kvtier.tiers.base import Tier, TierUsage
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

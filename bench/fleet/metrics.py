@@ -20,8 +20,9 @@ import math
 from typing import Any
 
 import numpy as np
-from fleet_model import SimResult
-from fleet_request import SimRequest
+
+from bench.fleet.model import SimResult
+from bench.fleet.request import SimRequest
 
 
 def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from fleet_costs import EngineSpec, chunk_pairs
-from fleet_g1 import G1Cache, KeyListener
-from fleet_request import Phase, Role, SimRequest
+
+from bench.fleet.costs import EngineSpec, chunk_pairs
+from bench.fleet.g1 import G1Cache, KeyListener
+from bench.fleet.request import Phase, Role, SimRequest
 
 
 class EngineHost(Protocol):

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fleet_engine import SimEngine
-from fleet_request import Role, SimRequest
-
+from bench.fleet.engine import SimEngine
+from bench.fleet.request import Role, SimRequest
 from kvtier.router.config import POLICIES
 from kvtier.router.policy import Candidate, Weights
 from kvtier.router.policy import Router as ShippedRouter

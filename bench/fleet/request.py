@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from fleet_workload import Session
+from bench.fleet.workload import Session
 
 
 class Phase(enum.Enum):

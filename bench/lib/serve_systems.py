@@ -35,7 +35,7 @@ reaches the engine-core child and nothing else).
 Threads: kvtier's engine gets ``--threads`` when given (else its default,
 all cores); vLLM's worker binds its OpenMP threads to the first
 ``vllm_omp_threads`` CPUs when given, else to every CPU this process may run
-on (``bench/vllm_peer.py``; vLLM-CPU reserves none of them for its server
+on (``bench/lib/vllm_peer.py``; vLLM-CPU reserves none of them for its server
 here). Each running system's ``info`` records what it got.
 """
 
@@ -59,9 +59,9 @@ import httpx
 import yaml
 
 if TYPE_CHECKING:
-    from vllm_peer import LMCacheServer
+    from bench.lib.vllm_peer import LMCacheServer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_BLOCK_TOKENS = 128
 SMOLLM2_KV_ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64  # layers x (K, V) x KV heads x head_dim
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -342,7 +342,7 @@ def _kvtier(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Ru
         if spec.tier is not None:
             address = None
             if spec.tier == "server":
-                from peers import ServerProcess
+                from bench.lib.peers import ServerProcess
 
                 try:
                     address = stack.enter_context(ServerProcess(opts.tier_bytes)).address
@@ -389,7 +389,7 @@ def vllm_server_kwargs(
         "start_timeout_s": opts.start_timeout_s,
     }
     if lmcache is not None:
-        from vllm_peer import LMCACHE_ENV
+        from bench.lib.vllm_peer import LMCACHE_ENV
 
         extra += ["--kv-transfer-config", json.dumps(lmcache.transfer_config())]
         kwargs["extra_env"] = LMCACHE_ENV
@@ -402,9 +402,15 @@ def vllm_server_kwargs(
 @contextmanager
 def _vllm(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Running]:
     try:
-        from vllm_peer import LMCacheServer, VllmServer, default_model_dir, find_lmcache, find_vllm
+        from bench.lib.vllm_peer import (
+            LMCacheServer,
+            VllmServer,
+            default_model_dir,
+            find_lmcache,
+            find_vllm,
+        )
     except ImportError as e:
-        raise SystemUnavailable(f"bench/vllm_peer.py is not usable: {e}") from None
+        raise SystemUnavailable(f"bench/lib/vllm_peer.py is not usable: {e}") from None
     where = opts.vllm_venv or ".venv-vllm"
     if find_vllm(opts.vllm_venv) is None:
         raise SystemUnavailable(f"vLLM is not installed in {where} (scripts/setup_vllm.sh)")

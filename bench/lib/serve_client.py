@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from serve_workloads import Lane, Workload
+
+from bench.lib.serve_workloads import Lane, Workload
 
 
 @dataclass

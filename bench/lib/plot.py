@@ -1,8 +1,8 @@
 """Plots from the benchmarks' JSON lines (the last line each script prints).
 
-python bench/ttft.py --quick | tail -1 > /tmp/ttft.json
-python bench/store.py --quick --tiers server | tail -1 > /tmp/server.json
-python bench/plot.py --ttft /tmp/ttft.json --store /tmp/server.json --out bench/plots
+python -m bench.ttft --quick | tail -1 > /tmp/ttft.json
+python -m bench.store --quick --tiers server | tail -1 > /tmp/server.json
+python -m bench.lib.plot --ttft /tmp/ttft.json --store /tmp/server.json --out bench/plots
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""kvtier's benchmarks, a package in the shape of ``vllm/benchmarks``: run each from the
+repository root as a module, e.g. ``python -m bench.ttft --quick``.
+
+* ``bench/lib/``: what several benchmarks share — servers (``peers``: ``kvtier serve``,
+  Redis; ``vllm_peer``, ``serve_systems``), clients (``serve_client``), workloads
+  (``serve_workloads``, ``serve_calibrate``), statistics and metrics (``serve_stats``,
+  ``serve_metrics``), tables and JSON lines (``common``, ``serve_report``), plots (``plot``).
+* ``bench/fleet/``: the fleet simulation's model (its router is ``kvtier router``'s own).
+* one module per benchmark: ``ttft``, ``vllm``, ``serve`` (and ``serve_router``,
+  ``serve_profile``), ``engine``, ``engine_probes``, ``kernels``, ``keys``, ``store``,
+  ``tier_load``, ``soak``, ``provenance``, ``verify_drift``, ``fleet_sim``, ``fleet_calibrate``.
+
+Each prints a table, then one JSON object as its last line; ``bench/RESULTS.md`` records
+the figures with their commands.
+"""

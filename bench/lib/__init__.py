@@ -1,0 +1,1 @@
+"""Shared pieces of the benchmarks (see ``bench/__init__.py``)."""
