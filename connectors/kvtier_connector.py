@@ -153,6 +153,7 @@ class KvtierConnector(KVConnector):
             verify_sampler=self._sampler,
             fetcher=self._fetcher,
             quarantine=self.quarantine,
+            offer_once=False,  # a preempted request is offered its hit again
         )
         self.worker.register(EngineKV(kv_cache))
 

@@ -23,10 +23,12 @@ vLLM) translate their engine's calls into these::
 
 Rules that keep every engine correct:
 
-* **A request is offered a load at most once.** After a failed
-  asynchronous load with nothing placed, vLLM frees the blocks and asks
-  again; offering the same hit again loops forever (observed with vLLM
-  0.32). A request whose load was planned gets 0 from then on.
+* **A failed load is never offered again.** After a failed asynchronous
+  load with nothing placed, vLLM frees the blocks and asks again; offering
+  the same hit again loops forever (observed with vLLM 0.32). Under vLLM
+  (``offer_once``) a request whose load was planned gets 0 from then on; the
+  bundled engine asks again only for a request it preempted (its blocks
+  freed), which is offered its hit again unless its load failed or still runs.
 * **An offer never exceeds what the lookup found**, and leaves the prompt's
   last token to the engine; whatever the worker fails to place is reported
   failed, and the engine recomputes it.
@@ -115,6 +117,9 @@ class ConnectorScheduler:
         fetcher: The I/O threads lookups run on (default: its own pool; an
             engine that runs both sides in one process shares one).
         quarantine: Keys found wrong (default: its own).
+        offer_once: Never offer a request a second load (vLLM); else only a
+            request whose last load ended well is offered again (after the
+            engine preempted it).
     """
 
     def __init__(
@@ -129,8 +134,10 @@ class ConnectorScheduler:
         verify_sampler: Sampler | None = None,
         fetcher: Fetcher | None = None,
         quarantine: Quarantine | None = None,
+        offer_once: bool = True,
     ) -> None:
         self._config = config
+        self._offer_once = offer_once
         self.namespace = namespace
         self._load_async = load_async
         self._counters = counters
@@ -218,7 +225,9 @@ class ConnectorScheduler:
         """
         tracked = self._track(request)
         state = tracked.state
-        if state is None or tracked.load_planned:
+        if state is None:
+            return 0, False
+        if tracked.load_planned and (self._offer_once or tracked.loading or tracked.failed_load):
             return 0, False
         first = state.prefix is None
         if not state.lookup_is_fresh(LOOKUP_REUSE_S):
@@ -260,7 +269,10 @@ class ConnectorScheduler:
         end = start + num_external_tokens
         prefix = tracked.state.prefix if tracked.state is not None else None
         objects: tuple[ObjectRef, ...] = ()
-        if prefix is not None and end <= prefix.num_tokens and not tracked.load_planned:
+        again = tracked.load_planned and (
+            self._offer_once or tracked.loading or tracked.failed_load
+        )
+        if prefix is not None and end <= prefix.num_tokens and not again:
             objects = tuple(prefix.objects_from(start))
         else:
             # the engine accepted more than was offered: load nothing, so that

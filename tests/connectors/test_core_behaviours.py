@@ -152,6 +152,32 @@ class EngineProcess:
         self.free.extend(blocks)
         return Served(loaded, kv_true, deferred)
 
+    def offers_around_a_preemption(self, rid: str, prompt: list[int]) -> tuple[int, int]:
+        """The offer for a new request, which is loaded; then the offer when the engine
+        asks again after preempting it (its blocks freed, nothing computed)."""
+        keys = PrefixKeys(NS, ENGINE_BS)
+        keys.extend(prompt)
+        blocks = [self.free.pop() for _ in range(-(-len(prompt) // ENGINE_BS))]
+        view = ConnectorRequest(rid, prompt, list(prompt), blocks, 0, keys)
+        first = self._offer(view)
+        self.conn.update_state_after_alloc(view, blocks, first)
+        self.conn.start_load_kv(LoadMetadata([LoadSpec(rid, prompt, blocks, 0, first, True)]))
+        deadline = time.monotonic() + WAIT_S
+        while rid not in self.conn.get_finished().results:
+            assert time.monotonic() < deadline, "the load never ended"
+            self.conn.wait_for_async_loads(0.005)
+        second = self._offer(view)
+        self.conn.request_finished(view, blocks)
+        self.free.extend(blocks)
+        return first, second
+
+    def _offer(self, view: ConnectorRequest) -> int:
+        deadline = time.monotonic() + WAIT_S
+        while (answer := self.conn.get_num_new_matched_tokens(view, 0)) is None:
+            assert time.monotonic() < deadline, "the lookup never answered"
+            self.conn.wait_for_async_loads(0.005)
+        return answer[0] if isinstance(answer, tuple) else answer
+
     def flush(self) -> None:
         assert self.conn.flush(WAIT_S)
 
@@ -223,6 +249,25 @@ class VllmProcess:
         v.step(SchedOut(), [])
         v.free.extend(blocks)
         return Served(loaded, kv_true, deferred)
+
+    def offers_around_a_preemption(self, rid: str, prompt: list[int]) -> tuple[int, int]:
+        """The offer for a new request, which is loaded; then vLLM's question again after
+        it preempted the request."""
+        v = self.v
+        req = FakeRequest(rid, prompt)
+        first, _ = v.match(req, 0)
+        blocks = v.alloc(len(prompt))
+        v.scheduler.update_state_after_alloc(req, blocks, first)
+        v.step(SchedOut(), [])
+        deadline = time.monotonic() + WAIT_S
+        while rid not in v.recvd:
+            assert time.monotonic() < deadline, "the load never ended"
+            v.step(SchedOut(), [])
+        v.scheduler.update_state_after_alloc(req, blocks, 0)
+        second, _ = v.match(req, 0)
+        v.scheduler.request_finished(req, blocks)
+        v.free.extend(blocks)
+        return first, second
 
     def flush(self) -> None:
         assert self.v.worker.flush(WAIT_S)
@@ -349,3 +394,14 @@ def test_lookups_run_off_the_step_thread(process, tmp_path, answers: bool) -> No
     assert got.deferred >= 1 and got.kv_true  # asked again while the lookup ran
     assert got.loaded == (len(PROMPT) - 1 if answers else 0)  # past its deadline: a miss
     slow.close()
+
+
+def test_a_preempted_request_is_offered_its_hit_again_but_not_under_vllm(process, tmp_path) -> None:
+    """The bundled engine asks again only after preempting a request: its hit is loaded
+    again. vLLM asks again after a failed load too, and loops when offered the same hit
+    (``scheduler_side.py``): it is offered a load once."""
+    _stored(process, tmp_path)
+    proc = process(kvtier_config(tmp_path))
+    first, second = proc.offers_around_a_preemption("b-6", PROMPT)
+    assert first == len(PROMPT) - 1
+    assert second == (len(PROMPT) - 1 if isinstance(proc, EngineProcess) else 0)
