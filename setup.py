@@ -14,6 +14,8 @@ ROOTS = {
     "kvtier.connectors": "connectors",
     "kvtier.server": "server",
     "kvtier.router": "router",
+    # the benchmarks ship like vllm.benchmarks: `python bench/serve.py` imports them as kvtier.bench
+    "kvtier.bench": "bench",
 }
 
 

@@ -1,5 +1,8 @@
-"""kvtier's benchmarks, a package in the shape of ``vllm/benchmarks``: run each from the
-repository root as a module, e.g. ``python -m bench.ttft --quick``.
+"""kvtier's benchmarks, a package in the shape of ``vllm/benchmarks``, installed with kvtier as
+``kvtier.bench`` (``setup.py`` maps this folder there): run each as a file, ``python
+bench/ttft.py --quick``, or as a module, ``python -m bench.ttft --quick`` from the repository
+root (``python -m kvtier.bench.ttft`` anywhere). Benchmarks import each other as
+``kvtier.bench.*``, so neither way edits ``sys.path``.
 
 * ``bench/lib/``: what several benchmarks share — servers (``peers``: ``kvtier serve``,
   Redis; ``vllm_peer``, ``serve_systems``), clients (``serve_client``), workloads

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import emit, machine, table
+from kvtier.bench.lib.common import emit, machine, table
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.models.hf_export import to_transformers
 

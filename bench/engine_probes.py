@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.checkout is not None:
         import_from(args.checkout.resolve())
-    from bench.lib.common import emit, machine, table
-    from bench.lib.serve_calibrate import cpu_flags
-    from bench.lib.serve_workloads import TextMaker
+    from kvtier.bench.lib.common import emit, machine, table
+    from kvtier.bench.lib.serve_calibrate import cpu_flags
+    from kvtier.bench.lib.serve_workloads import TextMaker
     from kvtier.engine import SamplingParams
     from kvtier.engine.config import EngineConfig
     from kvtier.engine.llm_engine import LLMEngine

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from bench.fleet.costs import StepCosts, StepFigure, chunk_pairs, fit_step_costs
-from bench.lib.common import emit, machine, table
+from kvtier.bench.fleet.costs import StepCosts, StepFigure, chunk_pairs, fit_step_costs
+from kvtier.bench.lib.common import emit, machine, table
 from kvtier.connectors.demo import default_model_path
 from kvtier.engine import LLMEngine, SamplingParams
 from kvtier.engine.config import EngineConfig

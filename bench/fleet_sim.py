@@ -26,12 +26,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.fleet.costs import PROFILES, Profile, load_profile
-from bench.fleet.metrics import summarize
-from bench.fleet.model import MODES, FleetSpec, run_fleet
-from bench.fleet.router import POLICIES
-from bench.fleet.workload import WorkloadSpec, build_sessions
-from bench.lib.common import emit, table
+from kvtier.bench.fleet.costs import PROFILES, Profile, load_profile
+from kvtier.bench.fleet.metrics import summarize
+from kvtier.bench.fleet.model import MODES, FleetSpec, run_fleet
+from kvtier.bench.fleet.router import POLICIES
+from kvtier.bench.fleet.workload import WorkloadSpec, build_sessions
+from kvtier.bench.lib.common import emit, table
 from kvtier.router.policy import Weights
 
 SWEEP_MODES = ("colocated", "colocated+tier")
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "sweep": {"engines": args.sweep_engines, "results": sweep} if sweep else None,
     }
     if not args.no_plots:
-        from bench.fleet.plots import plot_hit_rate, plot_ttft
+        from kvtier.bench.fleet.plots import plot_hit_rate, plot_ttft
 
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import emit, machine, table, timeit
+from kvtier.bench.lib.common import emit, machine, table, timeit
 from kvtier.kernels import reference, slots_for_tokens, triton_kv
 
 SHAPES = {  # name: (layers, kv heads, head_dim)

@@ -47,7 +47,7 @@ from typing import Any
 
 import xxhash
 
-from bench.lib.common import emit, load_average, machine, table, tune_allocator
+from kvtier.bench.lib.common import emit, load_average, machine, table, tune_allocator
 from kvtier.connectors.demo import default_model_path, document
 from kvtier.keys import CacheNamespace, KeyHash, PrefixKeys
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import machine, table
+from kvtier.bench.lib.common import machine, table
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, KvtierConfig
 from kvtier.keys import KEY_BYTES

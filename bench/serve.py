@@ -73,11 +73,11 @@ from typing import Any
 
 import httpx
 
-from bench.lib.common import emit, machine
-from bench.lib.serve_calibrate import calibrate, cpu_flags, host_fastest_dtype
-from bench.lib.serve_client import Limits, RunResult, run_workload, warm_up
-from bench.lib.serve_metrics import delta, run_metrics, scrape
-from bench.lib.serve_report import (
+from kvtier.bench.lib.common import emit, machine
+from kvtier.bench.lib.serve_calibrate import calibrate, cpu_flags, host_fastest_dtype
+from kvtier.bench.lib.serve_client import Limits, RunResult, run_workload, warm_up
+from kvtier.bench.lib.serve_metrics import delta, run_metrics, scrape
+from kvtier.bench.lib.serve_report import (
     SUSTAINED_CDF,
     bar_lines,
     bars,
@@ -88,8 +88,8 @@ from bench.lib.serve_report import (
     report_table,
     sustained_table,
 )
-from bench.lib.serve_stats import summarize
-from bench.lib.serve_systems import (
+from kvtier.bench.lib.serve_stats import summarize
+from kvtier.bench.lib.serve_systems import (
     SERVED_NAME,
     Running,
     SystemOptions,
@@ -99,7 +99,7 @@ from bench.lib.serve_systems import (
     log_tail,
     running_system,
 )
-from bench.lib.serve_workloads import (
+from kvtier.bench.lib.serve_workloads import (
     DocQaConfig,
     MultiRoundConfig,
     SustainedConfig,
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     args = parse_args(argv)
     if args.router:
-        from bench.serve_router import main as router_main
+        from kvtier.bench.serve_router import main as router_main
 
         router_main(["--quick"] if args.quick else [])
         return

@@ -48,18 +48,18 @@ from typing import Any
 
 import httpx
 
-from bench.lib.common import emit, machine, table
-from bench.lib.serve_calibrate import cpu_flags, host_fastest_dtype
-from bench.lib.serve_client import RequestRecord, chat_payload, stream_chat
-from bench.lib.serve_metrics import scrape, total
-from bench.lib.serve_systems import (
+from kvtier.bench.lib.common import emit, machine, table
+from kvtier.bench.lib.serve_calibrate import cpu_flags, host_fastest_dtype
+from kvtier.bench.lib.serve_client import RequestRecord, chat_payload, stream_chat
+from kvtier.bench.lib.serve_metrics import scrape, total
+from kvtier.bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemStartError,
     SystemUnavailable,
     running_system,
 )
-from bench.lib.serve_workloads import TextMaker
+from kvtier.bench.lib.serve_workloads import TextMaker
 
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -351,7 +351,7 @@ FIGURES = (
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from bench.lib.serve_workloads import token_counter
+    from kvtier.bench.lib.serve_workloads import token_counter
 
     maker = TextMaker(token_counter("smollm2"))
     cpu_clock = args.clock == "cpu"

@@ -45,12 +45,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.lib.common import emit, machine, table
-from bench.lib.serve_calibrate import host_fastest_dtype
-from bench.lib.serve_client import Limits, run_workload, warm_up
-from bench.lib.serve_metrics import Samples, delta, run_metrics, scrape
-from bench.lib.serve_stats import summarize
-from bench.lib.serve_systems import (
+from kvtier.bench.lib.common import emit, machine, table
+from kvtier.bench.lib.serve_calibrate import host_fastest_dtype
+from kvtier.bench.lib.serve_client import Limits, run_workload, warm_up
+from kvtier.bench.lib.serve_metrics import Samples, delta, run_metrics, scrape
+from kvtier.bench.lib.serve_stats import summarize
+from kvtier.bench.lib.serve_systems import (
     REPO,
     KvtierEngineServer,
     SystemOptions,
@@ -60,7 +60,7 @@ from bench.lib.serve_systems import (
     tier_config,
     wait_healthy,
 )
-from bench.lib.serve_workloads import (
+from kvtier.bench.lib.serve_workloads import (
     Lane,
     MultiRoundConfig,
     SingleTurn,
@@ -256,7 +256,7 @@ def run_policies(
 def pd_engines(
     args: argparse.Namespace, workdir: Path, mode: str, kv_tokens: int
 ) -> Iterator[list[tuple[str, str]]]:
-    from bench.lib.peers import ServerProcess
+    from kvtier.bench.lib.peers import ServerProcess
 
     roles = ("prefill", "decode") if mode == "pd" else ("both", "both")
     with ExitStack() as stack:
@@ -339,7 +339,7 @@ def checks(policies: dict[str, Any], pd: dict[str, Any]) -> dict[str, bool | Non
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from bench.lib.serve_workloads import token_counter
+    from kvtier.bench.lib.serve_workloads import token_counter
 
     count = token_counter(args.tokenizer)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-router-bench-"))

@@ -134,8 +134,8 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import machine, table
-from bench.lib.soak_hostile import Hostile
+from kvtier.bench.lib.common import machine, table
+from kvtier.bench.lib.soak_hostile import Hostile
 from kvtier.block import encode_block
 from kvtier.config import CpuTierConfig, DiskTierConfig, KvtierConfig
 from kvtier.errors import DeadlineExceededError, KvtierError, TransientError

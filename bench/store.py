@@ -50,8 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.lib.common import emit, machine, table, timeit, tune_allocator
-from bench.lib.peers import RedisProcess, RedisTier, ServerProcess
+from kvtier.bench.lib.common import emit, machine, table, timeit, tune_allocator
+from kvtier.bench.lib.peers import RedisProcess, RedisTier, ServerProcess
 from kvtier.block import activation_like_kv, decode_block, encode_block
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier

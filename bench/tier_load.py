@@ -69,10 +69,10 @@ from typing import Any
 
 import xxhash
 
-from bench.lib.common import emit, machine, table, tune_allocator
-from bench.lib.peers import RedisProcess, ServerProcess
-from bench.tier_load_clients import CHUNKS, object_block, percentile
-from bench.tier_load_workers import PhaseResult, Store, ThreadDriver, WorkerPool
+from kvtier.bench.lib.common import emit, machine, table, tune_allocator
+from kvtier.bench.lib.peers import RedisProcess, ServerProcess
+from kvtier.bench.tier_load_clients import CHUNKS, object_block, percentile
+from kvtier.bench.tier_load_workers import PhaseResult, Store, ThreadDriver, WorkerPool
 from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from tests.support import aerospike_cluster

@@ -27,7 +27,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.tier_load_clients import (
+from kvtier.bench.tier_load_clients import (
     LoadClient,
     PerThread,
     RawAerospike,
@@ -73,7 +73,7 @@ def make_client(spec: dict[str, Any]) -> LoadClient:
             )
         )
     if kind == "redis":
-        from bench.lib.peers import RedisTier
+        from kvtier.bench.lib.peers import RedisTier
 
         return PerThread(lambda: TierClient(RedisTier(spec["port"])))
     raise ValueError(f"unknown store {kind!r}")

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.lib.common import (
+from kvtier.bench.lib.common import (
     busy_core,
     drop_page_cache,
     emit,
@@ -242,7 +242,7 @@ def disk_child(spec: dict[str, Any]) -> None:
 
 def run_child(flag: str, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
     """Runs this module as a child with ``flag``; its last stdout line, parsed."""
-    cmd = [sys.executable, "-m", "bench.ttft", flag, json.dumps(spec)]
+    cmd = [sys.executable, "-m", "kvtier.bench.ttft", flag, json.dumps(spec)]
     proc = subprocess.run(
         cmd,
         stdout=subprocess.PIPE,

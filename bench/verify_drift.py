@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench.lib.common import machine, table
+from kvtier.bench.lib.common import machine, table
 from kvtier.block import decode_block
 from kvtier.config import KvtierConfig
 from kvtier.connectors.kvtier_connector import KvtierConnector

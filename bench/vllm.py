@@ -55,8 +55,8 @@ from typing import Any
 
 import yaml
 
-from bench.lib.common import emit, load_average, table
-from bench.lib.vllm_peer import (
+from kvtier.bench.lib.common import emit, load_average, table
+from kvtier.bench.lib.vllm_peer import (
     LMCacheServer,
     VllmServer,
     default_model_dir,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.lib.vllm_peer import (
+from kvtier.bench.lib.vllm_peer import (
     CACHE_METRICS,
     SMOLLM2_HF_NAME,
     VllmServer,

@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bench.fleet.costs import EngineSpec, chunk_pairs
-from bench.fleet.g1 import G1Cache, KeyListener
-from bench.fleet.request import Phase, Role, SimRequest
+from kvtier.bench.fleet.costs import EngineSpec, chunk_pairs
+from kvtier.bench.fleet.g1 import G1Cache, KeyListener
+from kvtier.bench.fleet.request import Phase, Role, SimRequest
 
 
 class EngineHost(Protocol):

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.fleet.model import SimResult
-from bench.fleet.request import SimRequest
+from kvtier.bench.fleet.model import SimResult
+from kvtier.bench.fleet.request import SimRequest
 
 
 def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from bench.fleet.costs import EngineSpec, TierSpec
-from bench.fleet.engine import SimEngine
-from bench.fleet.request import Phase, Role, SimRequest
-from bench.fleet.router import KvIndex, Router
-from bench.fleet.tier import Network, SharedTier, Transfer
-from bench.fleet.workload import Session
+from kvtier.bench.fleet.costs import EngineSpec, TierSpec
+from kvtier.bench.fleet.engine import SimEngine
+from kvtier.bench.fleet.request import Phase, Role, SimRequest
+from kvtier.bench.fleet.router import KvIndex, Router
+from kvtier.bench.fleet.tier import Network, SharedTier, Transfer
+from kvtier.bench.fleet.workload import Session
 from kvtier.router.policy import Weights
 
 MODES = ("colocated", "colocated+tier", "pd+tier", "pd-direct")

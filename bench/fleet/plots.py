@@ -16,8 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.fleet.model import MODES
-from bench.fleet.router import POLICIES
+from kvtier.bench.fleet.model import MODES
+from kvtier.bench.fleet.router import POLICIES
 
 COLORS = {"round_robin": "tab:gray", "least_loaded": "tab:blue", "cache_aware": "tab:orange"}
 MARKERS = {"round_robin": "s", "least_loaded": "^", "cache_aware": "o"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from bench.fleet.workload import Session
+from kvtier.bench.fleet.workload import Session
 
 
 class Phase(enum.Enum):

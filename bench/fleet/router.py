@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.fleet.engine import SimEngine
-from bench.fleet.request import Role, SimRequest
+from kvtier.bench.fleet.engine import SimEngine
+from kvtier.bench.fleet.request import Role, SimRequest
 from kvtier.router.config import POLICIES
 from kvtier.router.policy import Candidate, Weights
 from kvtier.router.policy import Router as ShippedRouter

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.fleet.costs import TierSpec
+from kvtier.bench.fleet.costs import TierSpec
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.lib.serve_workloads import TextMaker
+from kvtier.bench.lib.serve_workloads import TextMaker
 
 Dtype = str  # "bfloat16" | "float32"
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from bench.lib.serve_workloads import Lane, Workload
+from kvtier.bench.lib.serve_workloads import Lane, Workload
 
 
 @dataclass

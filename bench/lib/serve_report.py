@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.lib.common import table
+from kvtier.bench.lib.common import table
 
 # (key in the JSON line, numerator system, denominator system, figure)
 RATIOS = (

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from bench.lib.serve_client import RunResult
+from kvtier.bench.lib.serve_client import RunResult
 
 PERCENTILES = (50, 90, 99)
 

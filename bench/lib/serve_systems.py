@@ -59,7 +59,7 @@ import httpx
 import yaml
 
 if TYPE_CHECKING:
-    from bench.lib.vllm_peer import LMCacheServer
+    from kvtier.bench.lib.vllm_peer import LMCacheServer
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_BLOCK_TOKENS = 128
@@ -342,7 +342,7 @@ def _kvtier(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Ru
         if spec.tier is not None:
             address = None
             if spec.tier == "server":
-                from bench.lib.peers import ServerProcess
+                from kvtier.bench.lib.peers import ServerProcess
 
                 try:
                     address = stack.enter_context(ServerProcess(opts.tier_bytes)).address
@@ -389,7 +389,7 @@ def vllm_server_kwargs(
         "start_timeout_s": opts.start_timeout_s,
     }
     if lmcache is not None:
-        from bench.lib.vllm_peer import LMCACHE_ENV
+        from kvtier.bench.lib.vllm_peer import LMCACHE_ENV
 
         extra += ["--kv-transfer-config", json.dumps(lmcache.transfer_config())]
         kwargs["extra_env"] = LMCACHE_ENV
@@ -402,7 +402,7 @@ def vllm_server_kwargs(
 @contextmanager
 def _vllm(spec: SystemSpec, opts: SystemOptions, workdir: Path) -> Iterator[Running]:
     try:
-        from bench.lib.vllm_peer import (
+        from kvtier.bench.lib.vllm_peer import (
             LMCacheServer,
             VllmServer,
             default_model_dir,

@@ -49,7 +49,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from bench.lib.common import emit, table
+from kvtier.bench.lib.common import emit, table
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VENV_DEFAULT = REPO / ".venv-vllm"

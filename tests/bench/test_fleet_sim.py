@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.fleet.costs import (
+from kvtier.bench.fleet.costs import (
     CPU_SMOLLM2_FIGURES,
     EngineSpec,
     StepCosts,
@@ -21,13 +21,13 @@ from bench.fleet.costs import (
     fit_step_costs,
     gpu_8b,
 )
-from bench.fleet.g1 import G1Cache
-from bench.fleet.metrics import summarize, weighted_percentile, windowed_gbps
-from bench.fleet.model import MODES, Fleet, FleetSpec, SimResult, SimulationError, run_fleet
-from bench.fleet.request import Phase
-from bench.fleet.router import POLICIES, KvIndex
-from bench.fleet.tier import Network
-from bench.fleet.workload import Session, Turn, WorkloadSpec, build_sessions
+from kvtier.bench.fleet.g1 import G1Cache
+from kvtier.bench.fleet.metrics import summarize, weighted_percentile, windowed_gbps
+from kvtier.bench.fleet.model import MODES, Fleet, FleetSpec, SimResult, SimulationError, run_fleet
+from kvtier.bench.fleet.request import Phase
+from kvtier.bench.fleet.router import POLICIES, KvIndex
+from kvtier.bench.fleet.tier import Network
+from kvtier.bench.fleet.workload import Session, Turn, WorkloadSpec, build_sessions
 from kvtier.router.policy import Weights
 
 PROFILE = cpu_smollm2()
@@ -371,7 +371,7 @@ def test_profiles_label_their_sources() -> None:
 def test_the_cli_prints_a_table_then_one_json_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench.fleet_sim import main
+    from kvtier.bench.fleet_sim import main
 
     main(["--engines", "4", "--sessions", "12", "--sweep", "2,4", "--plots", str(tmp_path)])
     out = capsys.readouterr().out.strip().splitlines()

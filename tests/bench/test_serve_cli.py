@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import serve
-from bench.lib.serve_systems import (
+from kvtier.bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemUnavailable,

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.lib.serve_client import (
+from kvtier.bench.lib.serve_client import (
     Limits,
     RequestRecord,
     chat_payload,
@@ -16,10 +16,10 @@ from bench.lib.serve_client import (
     stream_chat,
     warm_up,
 )
-from bench.lib.serve_metrics import delta, run_metrics, scrape
-from bench.lib.serve_stats import summarize
-from bench.lib.serve_systems import free_port
-from bench.lib.serve_workloads import Conversation, Lane, SingleTurn, Workload
+from kvtier.bench.lib.serve_metrics import delta, run_metrics, scrape
+from kvtier.bench.lib.serve_stats import summarize
+from kvtier.bench.lib.serve_systems import free_port
+from kvtier.bench.lib.serve_workloads import Conversation, Lane, SingleTurn, Workload
 from tests.bench.fake_openai import FakeOpenAI
 
 

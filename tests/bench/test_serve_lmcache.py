@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from bench import serve
-from bench.lib.serve_systems import (
+from kvtier.bench.lib.serve_systems import (
     SystemOptions,
     SystemSpec,
     SystemUnavailable,
     running_system,
     vllm_server_kwargs,
 )
-from bench.lib.vllm_peer import (
+from kvtier.bench.lib.vllm_peer import (
     LMCacheServer,
     VllmError,
     VllmServer,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.lib.serve_metrics import cache_counters, delta, parse_metrics, run_metrics, total
+from kvtier.bench.lib.serve_metrics import cache_counters, delta, parse_metrics, run_metrics, total
 
 VLLM_BEFORE = """\
 # HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from bench.lib.serve_client import RequestRecord, RunResult
-from bench.lib.serve_stats import percentile, summarize
+from kvtier.bench.lib.serve_client import RequestRecord, RunResult
+from kvtier.bench.lib.serve_stats import percentile, summarize
 
 
 def test_percentile_known_values() -> None:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.lib.serve_workloads import (
+from kvtier.bench.lib.serve_workloads import (
     Conversation,
     DocQaConfig,
     MultiRoundConfig,

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from bench.tier_load import bars
-from bench.tier_load_clients import (
+from kvtier.bench.tier_load import bars
+from kvtier.bench.tier_load_clients import (
     CHUNKS,
     ModelChunk,
     bound_to,

@@ -6,8 +6,8 @@ import os
 import time
 from pathlib import Path
 
-from bench.lib.common import busy_core, drop_page_cache
-from bench.ttft import RANDOM_MAX, RANDOM_MIN, Sample, make_cases, random_lengths, summarize
+from kvtier.bench.lib.common import busy_core, drop_page_cache
+from kvtier.bench.ttft import RANDOM_MAX, RANDOM_MIN, Sample, make_cases, random_lengths, summarize
 
 
 def test_random_lengths_are_in_range_and_never_block_aligned() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.lib.vllm_peer import find_vllm
+from kvtier.bench.lib.vllm_peer import find_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.lib.vllm_peer import SMOLLM2_HF_NAME, VllmServer, find_vllm
-from bench.vllm import (
+from kvtier.bench.lib.vllm_peer import SMOLLM2_HF_NAME, VllmServer, find_vllm
+from kvtier.bench.vllm import (
     KvtierServe,
     complete,
     disk_tier,
