@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed,
 streamed or not), ``GET /v1/models`` (from a healthy engine), ``GET /health``
-(200 while some engine can answer), ``GET /metrics`` (the router's own).
+(200 while some engine can answer), ``GET /metrics`` (the router's own),
+``GET /scaling`` (scaling signals and the recommended replica count, JSON).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Router, Weights
 from kvtier.router.proxy import Proxy, error_response
+from kvtier.router.scaling_report import RouterSignals, ScalingCollector, SignalsMiddleware
 
 
 class RouterState:
@@ -40,6 +42,10 @@ class RouterState:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics(registry)
+        self.signals = RouterSignals(config, self.metrics)
+        registry.register(
+            ScalingCollector(self.signals, lambda: self.pool.engines if self.pool else [])
+        )
         self.index = PrefixIndex(config.max_saved_keys)
         self.proxy: Proxy | None = None
         self.pool: EnginePool | None = None
@@ -64,6 +70,7 @@ class RouterState:
             timeout_s=c.health_timeout_s,
             headers=headers,
             on_down=self.follower.engine_down,
+            signals=self.signals,
         )
         weights = Weights(c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance)
         self.proxy = Proxy(c, self.pool, Router(c.policy, weights), self.index, self.follower,
@@ -111,6 +118,7 @@ def create_router_app(
     if config.api_key is not None:
         # the engine server's check: constant-time, /health and /metrics open, 401 otherwise
         app.add_middleware(RequireApiKey, api_key=config.api_key)
+    app.add_middleware(SignalsMiddleware, signals=state.signals)  # outermost: times the answer
 
     def proxy() -> Proxy:
         assert state.proxy is not None, "the router is not started"
@@ -151,6 +159,11 @@ def create_router_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/scaling")
+    async def scaling() -> JSONResponse:
+        assert state.pool is not None
+        return JSONResponse(state.signals.report(state.pool.engines))
 
     return app
 

@@ -38,6 +38,15 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--max-imbalance", type=click.IntRange(min=0), default=4, show_default=True,
               help="cache_aware: never pick an engine this many requests busier than the idlest.")  # fmt: skip
 @click.option("--no-kv-events", is_flag=True, help="Do not follow the engines' /kv_events.")
+@click.option("--ttft-target", type=click.FloatRange(min=0, min_open=True), default=2.0,
+              show_default=True, help="Scaling: the TTFT p99 (s) the recommended replica count "
+              "aims for (GET /scaling, docs/fleet.md).")  # fmt: skip
+@click.option("--min-replicas", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--max-replicas", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--target-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.7,
+              show_default=True, help="Scaling: share of measured prefill capacity to plan for.")  # fmt: skip
+@click.option("--signals-window", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Scaling: seconds of the signals' sliding window.")  # fmt: skip
 @click.option("--engine-api-key", envvar="KVTIER_ENGINE_API_KEY", show_envvar=True, default=None,
               help="Bearer token sent to the engines (default: the client's, passed on).")  # fmt: skip
 @click.option("--api-key", envvar="KVTIER_ROUTER_API_KEY", show_envvar=True, default=None,
@@ -76,6 +85,11 @@ def router(**kw: Any) -> None:
             decode_cost_tokens=kw["decode_cost_tokens"],
             max_imbalance=kw["max_imbalance"],
             kv_events=not kw["no_kv_events"],
+            ttft_target_s=kw["ttft_target"],
+            min_replicas=kw["min_replicas"],
+            max_replicas=kw["max_replicas"],
+            target_utilization=kw["target_utilization"],
+            signals_window_s=kw["signals_window"],
             engine_api_key=kw["engine_api_key"],
             api_key=_api_key(kw["api_key"]),
         )
@@ -95,7 +109,7 @@ def router(**kw: Any) -> None:
     mode = "P/D" if config.disaggregated else config.policy
     click.echo(
         f"routing ({mode}) to {len(specs)} engines on http://{kw['host']}:{kw['port']} "
-        "(OpenAI API under /v1; /health, /metrics); Ctrl-C or SIGTERM stops",
+        "(OpenAI API under /v1; /health, /metrics, /scaling); Ctrl-C or SIGTERM stops",
         err=True,
     )
     try:

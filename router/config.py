@@ -59,6 +59,13 @@ class RouterConfig:
         max_imbalance: ``cache_aware``: an engine with this many more requests
             in flight than the least loaded is never picked for its cache.
         max_saved_keys: Shared-tier keys remembered (oldest forgotten).
+        signals_window_s: Sliding window of the scaling signals (TTFT percentiles,
+            prefill demand and capacity; ``docs/fleet.md``).
+        ttft_target_s: The TTFT p99 the recommended replica count aims for.
+        min_replicas: Fewest replicas recommended.
+        max_replicas: Most replicas recommended.
+        target_utilization: Share of an engine's measured prefill capacity the
+            recommendation plans to use.
         engine_api_key: Sent to the engines as a bearer token (else the
             client's ``Authorization`` header is passed on).
         api_key: What the router's own callers must send (``Authorization:
@@ -80,6 +87,11 @@ class RouterConfig:
     shared_hit_weight: float = 0.8
     max_imbalance: int = 4
     max_saved_keys: int = 1_000_000
+    signals_window_s: float = 30.0
+    ttft_target_s: float = 2.0
+    min_replicas: int = 1
+    max_replicas: int = 64
+    target_utilization: float = 0.7
     engine_api_key: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
 
@@ -110,6 +122,17 @@ class RouterConfig:
             )
         if self.max_saved_keys < 1:
             raise RouterConfigError("max_saved_keys must be positive")
+        if not (self.signals_window_s > 0 and self.ttft_target_s > 0):
+            raise RouterConfigError("signals_window_s and ttft_target_s must be positive")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise RouterConfigError(
+                f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                f"{self.min_replicas} and {self.max_replicas}"
+            )
+        if not 0 < self.target_utilization <= 1:
+            raise RouterConfigError(
+                f"target_utilization must be in (0, 1], got {self.target_utilization}"
+            )
 
     @property
     def disaggregated(self) -> bool:

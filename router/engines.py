@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.router.config import EngineSpec, Role
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.scaling_report import RouterSignals
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class EnginePool:
         timeout_s: A check slower than this fails.
         headers: Sent with every check (an API key).
         on_down: Called with an engine's URL when it is taken out.
+        signals: Told of every attempt and ``/metrics`` scrape (scaling signals).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class EnginePool:
         timeout_s: float,
         headers: dict[str, str] | None = None,
         on_down: Callable[[str], None] | None = None,
+        signals: RouterSignals | None = None,
     ) -> None:
         self.engines = [Engine(s.url, s.role) for s in specs]
         self.by_url = {e.url: e for e in self.engines}
@@ -99,6 +102,7 @@ class EnginePool:
         self._timeout = timeout_s
         self._headers = headers or {}
         self._on_down = on_down
+        self._signals = signals
         self._task: asyncio.Task[None] | None = None
         for e in self.engines:
             metrics.healthy.labels(e.url).set(0)
@@ -124,6 +128,8 @@ class EnginePool:
                 )
                 load = parse_load(m.text) if m.status_code == 200 else None
                 engine.reported_load = load if load is not None else 0
+                if self._signals is not None and m.status_code == 200:
+                    self._signals.engine_scraped(engine.url, m.text)
         except httpx.HTTPError as e:
             log.debug("health check of %s failed: %s", engine.url, e)
         self.set_health(engine, ok)
@@ -171,10 +177,14 @@ class EnginePool:
         engine.in_flight += 1
         engine.pending_prefill_tokens += prefill_tokens
         self._metrics.in_flight.labels(engine.url).set(engine.in_flight)
+        if self._signals is not None:
+            self._signals.begin(engine.url, prefill_tokens)
 
     def first_byte(self, engine: Engine, prefill_tokens: int) -> None:
         """``engine`` started answering: its prefill is done."""
         engine.pending_prefill_tokens = max(0, engine.pending_prefill_tokens - prefill_tokens)
+        if self._signals is not None:
+            self._signals.first_byte(engine.url)
 
     def end(self, engine: Engine) -> None:
         """A request on ``engine`` ended (however)."""

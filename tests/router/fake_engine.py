@@ -48,6 +48,7 @@ class FakeEngine:
         self.aborted = 0  # streams whose client went away before the end
         self.running = 0
         self.extra_load = 0  # added to the running count /metrics reports
+        self.extra_metrics = ""  # more Prometheus text /metrics reports
         self.engine_id = uuid.uuid4().hex
         self.events: list[dict[str, Any]] = []  # {"seq", "type", "keys"}
         self.lock = threading.Lock()
@@ -187,6 +188,7 @@ def _handler(fake: FakeEngine) -> type[BaseHTTPRequestHandler]:
             elif url.path == "/metrics":
                 load = fake.running + fake.extra_load
                 text = f"# TYPE kvtier_engine_requests_running gauge\nkvtier_engine_requests_running {load}\n"
+                text += fake.extra_metrics
                 self._send(200, text.encode(), "text/plain; version=0.0.4")
             elif url.path == "/v1/models":
                 self._send(200, json.dumps({"object": "list", "data": [{"id": "fake"}]}).encode())

@@ -1,0 +1,144 @@
+"""The router's scaling signals over HTTP: ``GET /scaling`` and the gauges of ``/metrics``."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.engine.models.loader import load_tokenizer
+from kvtier.engine.tokenizer import Tokenizer
+from kvtier.router.app import BackgroundRouter, create_router_app
+from kvtier.router.config import EngineSpec, RouterConfig
+from tests.router.fake_engine import FakeEngine
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Tokenizer:
+    return load_tokenizer(tiny_model)
+
+
+def engine_metrics(hits: int, queries: int, shared: int) -> str:
+    return (
+        "# TYPE kvtier_engine_requests_waiting gauge\nkvtier_engine_requests_waiting 2\n"
+        "# TYPE kvtier_engine_kv_blocks_used gauge\nkvtier_engine_kv_blocks_used 30\n"
+        "# TYPE kvtier_engine_kv_blocks_total gauge\nkvtier_engine_kv_blocks_total 120\n"
+        "# TYPE kvtier_engine_prefix_cache_hit_tokens counter\n"
+        f"kvtier_engine_prefix_cache_hit_tokens_total {hits}\n"
+        "# TYPE kvtier_engine_prefix_cache_queries_tokens counter\n"
+        f"kvtier_engine_prefix_cache_queries_tokens_total {queries}\n"
+        "# TYPE kvtier_engine_external_loaded_tokens counter\n"
+        f"kvtier_engine_external_loaded_tokens_total {shared}\n"
+    )
+
+
+def wait_for(fn: Any, timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def body(i: int, stream: bool) -> dict[str, Any]:
+    text = f"request {i}: " + "tell me about the scaling of fleets " * 8
+    return {"model": "fake", "messages": [{"role": "user", "content": text}],
+            "max_tokens": 3, "stream": stream}  # fmt: skip
+
+
+def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
+    fakes = [FakeEngine("a", first_byte_delay_s=0.15), FakeEngine("b", first_byte_delay_s=0.15)]
+    for f in fakes:
+        f.extra_metrics = engine_metrics(0, 0, 0)
+    config = RouterConfig(
+        engines=tuple(EngineSpec(f.url) for f in fakes),
+        policy="round_robin",
+        health_interval_s=0.1,
+        kv_events=False,
+        signals_window_s=60.0,
+        ttft_target_s=0.05,  # every answer misses it: the recommendation must rise
+        max_replicas=9,
+    )
+    router = BackgroundRouter(create_router_app(config, tokenizer)).start()
+    try:
+        with httpx.Client(base_url=router.url, timeout=TIMEOUT) as client:
+            before = client.get("/scaling").json()
+            assert before["fleet"]["ttft_samples"] == 0
+            assert before["recommendation"]["reason"] == "hold"
+            # a slow request in flight shows in the queue of its engine
+            fakes[0].first_byte_delay_s = fakes[1].first_byte_delay_s = 1.0
+            with cf.ThreadPoolExecutor(1) as pool:
+                slow = pool.submit(client.post, "/v1/chat/completions", json=body(0, False))
+                queued = wait_for(lambda: client.get("/scaling").json()["fleet"]["queue_depth"])
+                assert queued == 1
+                report = client.get("/scaling").json()
+                busy = [u for u, e in report["engines"].items() if e["queue_depth"] == 1]
+                assert (
+                    len(busy) == 1 and report["engines"][busy[0]]["prefill_tokens_in_flight"] > 50
+                )
+                assert slow.result().status_code == 200
+            fakes[0].first_byte_delay_s = fakes[1].first_byte_delay_s = 0.15
+            for i in range(1, 17):  # 8 per engine: over a second busy, capacity is measured
+                r = client.post("/v1/chat/completions", json=body(i, stream=i % 2 == 0))
+                assert r.status_code == 200
+            for f in fakes:  # the engines' own counters grow: 300 of 1,000 tokens hit G1
+                f.extra_metrics = engine_metrics(300, 1000, 100)
+            time.sleep(0.4)  # a few health checks scrape them
+            report = client.get("/scaling").json()
+            text = client.get("/metrics").text
+    finally:
+        router.close()
+        for f in fakes:
+            f.close()
+
+    fleet = report["fleet"]
+    assert fleet["ttft_samples"] == 17 and fleet["queue_depth"] == 0
+    assert 0.15 <= fleet["ttft_p50_s"] <= fleet["ttft_p99_s"]
+    assert fleet["ttft_p99_s"] >= 1.0  # the slow one
+    assert fleet["demand_tokens_per_s"] > 0 and fleet["capacity_tokens_per_s"] > 0
+    assert fleet["kv_usage"] == pytest.approx(0.25)
+    assert fleet["ready_replicas"] == 2
+    for f in fakes:
+        e = report["engines"][f.url]
+        assert e["ttft_samples"] >= 8 and e["ttft_p50_s"] >= 0.15
+        assert e["capacity_tokens_per_s"] > 0 and e["busy_fraction"] > 0
+        assert e["engine_waiting"] == 2 and e["kv_usage"] == pytest.approx(0.25)
+        assert e["hit_rate"]["g1"] == pytest.approx(0.3)
+        assert e["hit_rate"]["shared"] == pytest.approx(0.1)
+    rec = report["recommendation"]
+    assert rec["current"] == 2 and rec["by_ttft"] == 4 and rec["replicas"] >= 4
+    assert rec["target"]["ttft_target_s"] == 0.05
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("kvtier_router_recommended_replicas", ())] == rec["replicas"]
+    assert samples[("kvtier_router_fleet_ttft_seconds", (("quantile", "0.99"),))] == pytest.approx(
+        fleet["ttft_p99_s"]
+    )
+    assert samples[("kvtier_router_ready_replicas", ())] == 2
+    for f in fakes:
+        assert samples[("kvtier_router_engine_queue_depth", (("engine", f.url),))] == 0
+        assert (
+            "kvtier_router_engine_ttft_seconds",
+            (("engine", f.url), ("quantile", "0.5")),
+        ) in samples
+        assert samples[("kvtier_router_engine_kv_usage", (("engine", f.url),))] == pytest.approx(
+            0.25
+        )
+        assert samples[
+            ("kvtier_router_engine_hit_rate", (("engine", f.url), ("source", "g1")))
+        ] == pytest.approx(0.3)
+        assert samples[("kvtier_router_engine_prefill_capacity_tokens_per_second",
+                        (("engine", f.url),))] > 0  # fmt: skip
