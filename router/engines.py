@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.router.config import EngineSpec, Role
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Reservation
 from kvtier.router.scaling_report import RouterSignals
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ LOAD_GAUGES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
 )
+KVTIER_BLOCK_TOKENS = 16  # the bundled engine's block size (EngineConfig.block_size)
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Engine:
         pending_prefill_tokens: Prompt tokens of those requests it has not started
             answering (the router's estimate, after cache hits).
         reported_load: Running + waiting requests, from its last ``/metrics``.
+        kv_capacity_tokens: Tokens its G1 holds, from its ``/metrics`` (0: unknown).
+        reservations: G1 memory its requests in flight hold, as the router
+            counts it (prompt + ``max_tokens`` each), oldest first.
     """
 
     url: str
@@ -47,6 +52,8 @@ class Engine:
     in_flight: int = 0
     pending_prefill_tokens: int = 0
     reported_load: int = 0
+    kv_capacity_tokens: int = 0
+    reservations: list[Reservation] = field(default_factory=list)
 
     @property
     def load(self) -> int:
@@ -66,6 +73,26 @@ def parse_load(text: str) -> int | None:
     except ValueError:
         return None
     return int(total) if seen else None
+
+
+def parse_kv_capacity(text: str) -> int | None:
+    """Tokens an engine's KV memory (G1) holds, from its Prometheus text (None if not there).
+
+    The bundled engine: ``kvtier_engine_kv_blocks_total`` blocks of 16 tokens;
+    vLLM: the ``num_gpu_blocks`` and ``block_size`` labels of ``vllm:cache_config_info``.
+    """
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "kvtier_engine_kv_blocks_total" and s.value > 0:
+                    return int(s.value) * KVTIER_BLOCK_TOKENS
+                if s.name == "vllm:cache_config_info":
+                    blocks, size = s.labels.get("num_gpu_blocks"), s.labels.get("block_size")
+                    if blocks and size and blocks.isdigit() and size.isdigit():
+                        return int(blocks) * int(size)
+    except ValueError:
+        return None
+    return None
 
 
 class EnginePool:
@@ -128,6 +155,8 @@ class EnginePool:
                 )
                 load = parse_load(m.text) if m.status_code == 200 else None
                 engine.reported_load = load if load is not None else 0
+                capacity = parse_kv_capacity(m.text) if m.status_code == 200 else None
+                engine.kv_capacity_tokens = capacity or 0
                 if self._signals is not None and m.status_code == 200:
                     self._signals.engine_scraped(engine.url, m.text)
         except httpx.HTTPError as e:
@@ -172,9 +201,13 @@ class EnginePool:
 
     # ---- accounting ----------------------------------------------------------------------
 
-    def begin(self, engine: Engine, prefill_tokens: int) -> None:
-        """A request was sent to ``engine``."""
+    def begin(
+        self, engine: Engine, prefill_tokens: int, reservation: Reservation | None = None
+    ) -> None:
+        """A request was sent to ``engine`` (holding ``reservation`` of its G1 until it ends)."""
         engine.in_flight += 1
+        if reservation is not None:
+            engine.reservations.append(reservation)
         engine.pending_prefill_tokens += prefill_tokens
         self._metrics.in_flight.labels(engine.url).set(engine.in_flight)
         if self._signals is not None:
@@ -186,9 +219,13 @@ class EnginePool:
         if self._signals is not None:
             self._signals.first_byte(engine.url)
 
-    def end(self, engine: Engine) -> None:
-        """A request on ``engine`` ended (however)."""
+    def end(self, engine: Engine, reservation: Reservation | None = None) -> None:
+        """A request on ``engine`` ended (however); ``reservation``: what ``begin`` was given."""
         engine.in_flight = max(0, engine.in_flight - 1)
+        if reservation is not None:
+            # NOTE: by identity: two requests of one shape reserve equal values
+            engine.reservations = [r for r in engine.reservations if r is not reservation]
         if engine.in_flight == 0:
             engine.pending_prefill_tokens = 0
+            engine.reservations.clear()
         self._metrics.in_flight.labels(engine.url).set(engine.in_flight)

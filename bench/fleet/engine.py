@@ -32,6 +32,7 @@ import numpy as np
 from kvtier.bench.fleet.costs import EngineSpec, chunk_pairs
 from kvtier.bench.fleet.g1 import G1Cache, KeyListener
 from kvtier.bench.fleet.request import Phase, Role, SimRequest
+from kvtier.router.policy import Reservation
 
 
 class EngineHost(Protocol):
@@ -104,6 +105,8 @@ class SimEngine:
         self.steps = 0
         self.requests = 0
         self.in_flight = 0  # requests queued or admitted here
+        # what the router counts of them (the shipped router's Engine.reservations), by rid
+        self._reserved: dict[int, Reservation] = {}
         self.itl_single: list[float] = []
         self.itl_bulk: list[BulkItl] = []
         self.macro_steps = macro_steps
@@ -115,6 +118,16 @@ class SimEngine:
     def load(self) -> int:
         """Requests it is busy with (what the shipped router calls an engine's load)."""
         return self.in_flight
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens its G1 holds (the shipped router reads it from the engine's metrics)."""
+        return self.spec.g1_capacity_tokens
+
+    @property
+    def reservations(self) -> list[Reservation]:
+        """Its requests in flight as the router counts them: oldest first."""
+        return list(self._reserved.values())
 
     # ---- queue --------------------------------------------------------------------------
 
@@ -134,6 +147,9 @@ class SimEngine:
             )
         self.requests += 1
         self.in_flight += 1
+        kv = req.tokens_here()
+        hit = req.prompt_tokens - req.est_tokens if req.role is not Role.DECODE else 0
+        self._reserved[req.rid] = Reservation(kv, kv - req.prompt_tokens, kv - hit)
         self.waiting.append(req)
         self.pending_prefill_tokens += req.est_tokens
         self.wake()
@@ -310,6 +326,7 @@ class SimEngine:
         r.held, r.private_blocks = [], 0
         self.running.remove(r)
         self.in_flight -= 1
+        self._reserved.pop(r.rid, None)
         if r.role is not Role.PREFILL:
             r.phase = Phase.DONE
             r.finish_s = self.host.now

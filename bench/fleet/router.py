@@ -118,6 +118,7 @@ class Router:
         matched = self.index.match(req.keys, limit, self.pool)
         shared = tier_tokens if tier_tokens >= max(1, self.min_load_tokens) else 0
         cands = [Candidate(e, matched.get(e.eid, 0) * bs, shared) for e in self.engines]
-        decision = self._router.pick(cands, p)  # type: ignore[arg-type]
+        answer = 1 if role is Role.PREFILL else req.answer_tokens  # what it holds G1 for
+        decision = self._router.pick(cands, p, answer_tokens=answer)  # type: ignore[arg-type]
         req.est_tokens = 0 if role is Role.DECODE else max(0, p - decision.hit_tokens)
         return decision.engine  # type: ignore[return-value]

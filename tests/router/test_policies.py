@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvtier.keys import CacheNamespace
-from kvtier.router.engines import Engine, parse_load
+from kvtier.router.config import EngineSpec
+from kvtier.router.engines import Engine, EnginePool, parse_kv_capacity, parse_load
 from kvtier.router.index import PrefixIndex, prompt_keys
-from kvtier.router.policy import Candidate, Router, Weights
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Candidate, Reservation, Router, Weights, memory_wait
 
 NS = CacheNamespace("m", "fp", 2, 2, 8, "float32", chunk_size=64)
 
@@ -130,3 +134,89 @@ def test_load_is_parsed_from_engine_metrics() -> None:
     )
     assert parse_load(text) == 6
     assert parse_load("# TYPE x counter\nx_total 1.0\n") is None
+
+
+# ---- G1 memory (cache_aware) -------------------------------------------------------------
+
+
+def test_a_prefix_is_not_chased_onto_an_engine_whose_g1_is_full() -> None:
+    es = engines(2)
+    for e in es:
+        e.kv_capacity_tokens = 2400
+    # e0 holds 1,000 tokens of the prompt but its G1 is reserved by a request answering 64 tokens
+    es[0].in_flight, es[0].reservations = 1, [Reservation(1400, 64)]
+    es[1].in_flight, es[1].reservations = 1, [Reservation(800, 64)]
+    r = Router("cache_aware")
+    d = r.pick([Candidate(es[0], 1000), Candidate(es[1], 0)], 1200, answer_tokens=16)
+    assert d.engine is es[1] and d.reason == "memory"
+    # the same engines, capacity unknown: the prefix wins, as before
+    for e in es:
+        e.kv_capacity_tokens = 0
+    d = r.pick([Candidate(es[0], 1000), Candidate(es[1], 0)], 1200, answer_tokens=16)
+    assert d.engine is es[0] and d.reason == "g1_hit"
+
+
+def test_memory_wait_is_the_answers_of_the_oldest_requests_that_must_end() -> None:
+    e = engines(1)[0]
+    e.kv_capacity_tokens = 3000
+    e.reservations = [Reservation(1000, 10), Reservation(1000, 20), Reservation(500, 30)]
+    assert memory_wait(e, 500, 500, 100) == (0, 0)  # fits in what is left
+    assert memory_wait(e, 1200, 1200, 100)[0] == 1000  # the oldest must end first
+    assert memory_wait(e, 2000, 2000, 100)[0] == 3000  # the two oldest
+    e.kv_capacity_tokens = 0
+    assert memory_wait(e, 10**6, 10**6, 100)[0] == 0  # unknown capacity: no wait
+
+
+def test_under_memory_pressure_a_g1_prefix_counts_only_if_it_can_survive() -> None:
+    es = engines(2)
+    for e in es:
+        e.kv_capacity_tokens = 2000
+        e.in_flight = 1
+    r = Router("cache_aware")
+    cands = [Candidate(es[0], 1200), Candidate(es[1], 0)]
+    # before it on each engine, a request that computes 1,600 new tokens: both must wait
+    # for it, and it evicts the least recently used blocks: at most 2000 - 1600 - 116 of
+    # what G1 holds now is still there when this one is admitted
+    es[0].reservations = [Reservation(1600, 16)]
+    es[1].reservations = [Reservation(1600, 16)]
+    d = r.pick(cands, 1300, True, 16)
+    assert d.engine is es[0] and d.g1_tokens == 284 and d.hit_tokens == 284
+    # the request before it found 1,400 of its tokens in G1 (a user's next round):
+    # it writes only 200 new ones, the prefix survives and counts whole
+    es[0].reservations = [Reservation(1600, 16, new_tokens=200)]
+    d = r.pick(cands, 1300, True, 16)
+    assert d.engine is es[0] and d.g1_tokens == 1200
+
+
+def test_a_roomy_g1_changes_nothing() -> None:
+    es = engines(2)
+    for e in es:
+        e.kv_capacity_tokens = 100_000
+    es[0].in_flight, es[0].reservations = 2, [Reservation(1400, 64), Reservation(1400, 64)]
+    d = Router("cache_aware").pick([Candidate(es[0], 1000), Candidate(es[1], 0)], 1200, True, 16)
+    assert d.engine is es[0] and d.g1_tokens == 1000 and d.reason == "g1_hit"
+
+
+def test_kv_capacity_is_parsed_from_engine_metrics() -> None:
+    kvtier = "# TYPE kvtier_engine_kv_blocks_total gauge\nkvtier_engine_kv_blocks_total 225.0\n"
+    assert parse_kv_capacity(kvtier) == 225 * 16
+    vllm = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="128",num_gpu_blocks="28",cache_dtype="auto"} 1.0\n'
+    )
+    assert parse_kv_capacity(vllm) == 28 * 128
+    assert parse_kv_capacity("# TYPE x counter\nx_total 1.0\n") is None
+
+
+def test_the_pool_counts_reservations_until_each_request_ends() -> None:
+    client = httpx.AsyncClient()  # never used: begin and end do no I/O
+    metrics = RouterMetrics(CollectorRegistry())
+    pool = EnginePool([EngineSpec("http://e0")], client, metrics, interval_s=1.0, timeout_s=1.0)
+    e = pool.engines[0]
+    a, b = Reservation(100, 8), Reservation(100, 8)  # equal values, two requests
+    pool.begin(e, 100, a)
+    pool.begin(e, 100, b)
+    pool.end(e, b)
+    assert e.reservations == [a] and e.reservations[0] is a
+    pool.end(e, a)
+    assert e.reservations == [] and e.in_flight == 0
