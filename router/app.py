@@ -13,6 +13,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
 import uvicorn
@@ -31,6 +32,10 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Router, Weights
 from kvtier.router.proxy import Proxy, error_response
 from kvtier.router.scaling_report import RouterSignals, ScalingCollector, SignalsMiddleware
+from kvtier.router.tier_events import TierEventFollower
+
+if TYPE_CHECKING:
+    from kvtier.router.vllm_events import VllmEventFollower
 
 
 class RouterState:
@@ -50,6 +55,8 @@ class RouterState:
         self.proxy: Proxy | None = None
         self.pool: EnginePool | None = None
         self.follower: EventFollower | None = None
+        self.vllm_events: VllmEventFollower | None = None
+        self.tier_events: TierEventFollower | None = None
         self.client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
@@ -58,7 +65,8 @@ class RouterState:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         headers = {"authorization": f"Bearer {c.engine_api_key}"} if c.engine_api_key else {}
-        urls = [e.url for e in c.engines]
+        zmq_fed = {v.engine for v in c.vllm_events}  # vLLM engines: events over ZMQ
+        urls = [e.url for e in c.engines if e.url not in zmq_fed]
         self.follower = EventFollower(
             urls, self.client, self.index, self.metrics, wait_s=c.events_wait_s, headers=headers
         )
@@ -69,7 +77,7 @@ class RouterState:
             interval_s=c.health_interval_s,
             timeout_s=c.health_timeout_s,
             headers=headers,
-            on_down=self.follower.engine_down,
+            on_down=self._engine_down,
             signals=self.signals,
         )
         weights = Weights(c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance)
@@ -79,10 +87,31 @@ class RouterState:
         self.pool.start()
         if c.kv_events:
             self.follower.start()
+        if c.kv_events and c.vllm_events:
+            # NOTE: imported here: pyzmq and msgpack are needed only to follow vLLM engines.
+            from kvtier.router.vllm_events import VllmEventFollower
+
+            self.vllm_events = VllmEventFollower(c.vllm_events, self.index, self.metrics,
+                                                 self.follower)  # fmt: skip
+            self.vllm_events.start()
+        if c.tier_events is not None:
+            self.tier_events = TierEventFollower(c.tier_events, self.client, self.index,
+                self.metrics, wait_s=c.events_wait_s, token=c.tier_events_token)  # fmt: skip
+            self.tier_events.start()
+
+    def _engine_down(self, url: str) -> None:
+        if self.follower is not None:
+            self.follower.engine_down(url)
+        if self.vllm_events is not None:
+            self.vllm_events.engine_down(url)
 
     async def stop(self) -> None:
         if self.follower is not None:
             await self.follower.stop()
+        if self.vllm_events is not None:
+            await self.vllm_events.stop()
+        if self.tier_events is not None:
+            await self.tier_events.stop()
         if self.pool is not None:
             await self.pool.stop()
         if self.client is not None:

@@ -6,7 +6,13 @@ from typing import Any
 
 import click
 
-from kvtier.router.config import POLICIES, EngineSpec, RouterConfig, RouterConfigError
+from kvtier.router.config import (
+    POLICIES,
+    EngineSpec,
+    RouterConfig,
+    RouterConfigError,
+    VllmEventSource,
+)
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -38,6 +44,15 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.option("--max-imbalance", type=click.IntRange(min=0), default=4, show_default=True,
               help="cache_aware: never pick an engine this many requests busier than the idlest.")  # fmt: skip
 @click.option("--no-kv-events", is_flag=True, help="Do not follow the engines' /kv_events.")
+@click.option("--vllm-kv-events", "vllm_kv_events", multiple=True,
+              metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,namespace=FILE]",
+              help="Follow a vLLM engine's KV events (its --kv-events-config ZMQ publisher) "
+              "instead of /kv_events; repeatable (docs/router.md).")  # fmt: skip
+@click.option("--tier-events", default=None, metavar="URL",
+              help="Follow the cache server's /tier_events (its HTTP side): the shared tier's "
+              "stores and evictions.")  # fmt: skip
+@click.option("--tier-events-token", envvar="KVTIER_TIER_EVENTS_TOKEN", show_envvar=True,
+              default=None, help="Bearer token for --tier-events.")  # fmt: skip
 @click.option("--ttft-target", type=click.FloatRange(min=0, min_open=True), default=2.0,
               show_default=True, help="Scaling: the TTFT p99 (s) the recommended replica count "
               "aims for (GET /scaling, docs/fleet.md).")  # fmt: skip
@@ -85,6 +100,9 @@ def router(**kw: Any) -> None:
             decode_cost_tokens=kw["decode_cost_tokens"],
             max_imbalance=kw["max_imbalance"],
             kv_events=not kw["no_kv_events"],
+            vllm_events=tuple(VllmEventSource.parse(v) for v in kw["vllm_kv_events"]),
+            tier_events=kw["tier_events"],
+            tier_events_token=kw["tier_events_token"],
             ttft_target_s=kw["ttft_target"],
             min_replicas=kw["min_replicas"],
             max_replicas=kw["max_replicas"],

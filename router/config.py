@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
+
+from kvtier.errors import ConfigError
+from kvtier.keys import CacheNamespace
 
 Policy = Literal["round_robin", "least_loaded", "cache_aware"]
 POLICIES: tuple[Policy, ...] = ("round_robin", "least_loaded", "cache_aware")
@@ -34,6 +38,70 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class VllmEventSource:
+    """Where a vLLM engine publishes its KV events (its ``--kv-events-config``).
+
+    Attributes:
+        engine: The engine's base URL (one of the configured engines).
+        endpoint: vLLM's PUB ``endpoint``, as the router connects to it
+            (``tcp://host:5557``; vLLM binds ``tcp://*:5557``).
+        replay_endpoint: vLLM's ``replay_endpoint`` (``tcp://host:5558``): the
+            router fills gaps from it; None: a gap forgets the engine's G1.
+        topic: vLLM's ``topic`` (default empty: every message).
+        namespace: The namespace of the engine's kvtier connector, so the
+            router's keys for this engine also name its shared-tier objects;
+            None: a namespace of the router's own (G1 only).
+    """
+
+    engine: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    namespace: CacheNamespace | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> VllmEventSource:
+        """``URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,namespace=FILE]`` (``--vllm-kv-events``);
+        FILE holds a namespace as JSON (``CacheNamespace.to_json``).
+
+        Raises:
+            RouterConfigError: naming what is wrong.
+        """
+        url, sep, rest = text.partition("=")
+        parts = rest.split(",")
+        if not sep or not parts[0]:
+            raise RouterConfigError(f"expected URL=tcp://host:port[,replay=...], got {text!r}")
+        opts: dict[str, str] = {}
+        for part in parts[1:]:
+            name, eq, value = part.partition("=")
+            if not eq or name not in ("replay", "topic", "namespace"):
+                raise RouterConfigError(
+                    f"unknown KV events option {part!r} (replay=, topic=, namespace=)"
+                )
+            opts[name] = value
+        namespace = None
+        if "namespace" in opts:
+            try:
+                with open(opts["namespace"], encoding="utf-8") as f:
+                    namespace = CacheNamespace.from_json(json.load(f))
+            except (OSError, ValueError, TypeError, KeyError, ConfigError) as e:
+                raise RouterConfigError(f"namespace file {opts['namespace']!r}: {e}") from None
+        return cls(url, parts[0], opts.get("replay"), opts.get("topic", ""), namespace)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", EngineSpec(self.engine).url)
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            if not str(value).startswith(("tcp://", "ipc://", "inproc://")) or "*" in str(value):
+                raise RouterConfigError(
+                    f"KV events {name} must be a ZMQ address to connect to (tcp://host:port, "
+                    f"ipc://path), got {value!r}"
+                )
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """How the router routes.
 
@@ -52,6 +120,13 @@ class RouterConfig:
         max_attempts: Engines tried for one request before its first byte is sent.
         kv_events: Follow the engines' ``/kv_events``.
         events_wait_s: Long-poll time of one ``/kv_events`` read.
+        vllm_events: vLLM engines whose KV events (ZMQ) the router follows
+            instead of ``/kv_events`` (``docs/router.md``, vLLM's KV events).
+        tier_events: Base URL of the cache server's HTTP side: the router
+            follows its ``/tier_events`` (blocks stored in and evicted from the
+            shared tier); None: only the engines' ``saved`` events.
+        tier_events_token: Bearer token for ``/tier_events`` (a cache server
+            with ``http_require_token``).
         decode_cost_tokens: ``cache_aware``: a request an engine is already
             serving costs as much as this many prompt tokens to compute.
         shared_hit_weight: ``cache_aware``: a prefix in the shared tier (any
@@ -83,6 +158,9 @@ class RouterConfig:
     max_attempts: int = 3
     kv_events: bool = True
     events_wait_s: float = 5.0
+    vllm_events: tuple[VllmEventSource, ...] = ()
+    tier_events: str | None = None
+    tier_events_token: str | None = field(default=None, repr=False)
     decode_cost_tokens: int = 256
     shared_hit_weight: float = 0.8
     max_imbalance: int = 4
@@ -108,6 +186,17 @@ class RouterConfig:
         roles = {e.role for e in self.engines}
         if ("prefill" in roles) != ("decode" in roles):
             raise RouterConfigError("P/D needs at least one prefill and one decode engine")
+        sourced = [v.engine for v in self.vllm_events]
+        if unknown := set(sourced) - set(urls):
+            raise RouterConfigError(f"KV events given for engines not listed: {sorted(unknown)}")
+        if len(set(sourced)) != len(sourced):
+            raise RouterConfigError(f"KV events given twice for an engine: {sourced}")
+        if self.tier_events is not None and not self.tier_events.startswith(
+            ("http://", "https://")
+        ):
+            raise RouterConfigError(
+                f"tier_events must start with http:// or https://, got {self.tier_events!r}"
+            )
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
                      "request_timeout_s", "events_wait_s"):  # fmt: skip
             if getattr(self, name) <= 0:

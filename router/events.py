@@ -113,9 +113,16 @@ class EventFollower:
         self._wait_s = wait_s
         self._headers = headers or {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._given: dict[str, tuple[CacheNamespace, int]] = {}
+
+    def set_namespace(self, url: str, namespace: CacheNamespace, block_size: int) -> None:
+        """The namespace of an engine whose events come another way (vLLM's, over ZMQ)."""
+        self._given[url] = (namespace, block_size)
 
     def namespace(self, url: str) -> tuple[CacheNamespace, int] | None:
         """The namespace and block size of ``url``'s keys (None until known)."""
+        if url in self._given:
+            return self._given[url]
         c = self.cursors.get(url)
         if c is None or c.namespace is None:
             return None

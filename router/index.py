@@ -61,7 +61,7 @@ class PrefixIndex:
 
     Args:
         max_saved_keys: Shared-tier keys remembered; the oldest are forgotten
-            (the tier's own evictions are not reported).
+            (beyond those the tier's own events remove, ``tier_events.py``).
     """
 
     def __init__(self, max_saved_keys: int = 1_000_000) -> None:
@@ -99,6 +99,16 @@ class PrefixIndex:
             self._saved.move_to_end(k)
         while len(self._saved) > self._max_saved:
             self._saved.popitem(last=False)
+
+    def remove_saved(self, keys: Iterable[bytes]) -> None:
+        """The shared tier no longer holds ``keys`` (its own eviction events)."""
+        for k in keys:
+            self._saved.pop(k, None)
+
+    def replace_saved(self, keys: Iterable[bytes]) -> None:
+        """The shared tier holds exactly ``keys`` (a snapshot of its events)."""
+        self._saved.clear()
+        self.add_saved(keys)
 
     def g1_tokens(self, engine: str, pk: PromptKeys) -> int:
         """Leading prompt tokens ``engine`` holds in G1 (whole blocks from token 0)."""

@@ -34,6 +34,7 @@ from kvtier.provenance import check, stamp, unstamped, writer_of
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.tenants import Tenant, TenantDirectory
 from kvtier.store import TieredStore
+from kvtier.tier_events import TierEventLog
 from kvtier.wire.frames import Buffer
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class BlockAccess:
         self.directory = directory
         self.metrics = metrics
         self._secret = secret
+        self.events: TierEventLog | None = None
+        """Where stored and removed keys are recorded for routers (``GET /tier_events``)."""
 
     # -- reads ---------------------------------------------------------------------
 
@@ -134,10 +137,18 @@ class BlockAccess:
         (scoped,) = tenant.scope([key])
         stamped = stamp(block, writer=tenant.name, secret=self._secret, scope=scoped)
         self.store.put([(scoped, stamped)])
+        if self.events is not None:
+            self.events.record("stored", [(scoped, key)])
 
     def delete(self, tenant: Tenant, keys: Sequence[bytes]) -> int:
         """Delete keys from the tenant's own slot (a writer never deletes a more trusted one)."""
-        return self.store.delete(tenant.scope(keys)) if keys else 0
+        if not keys:
+            return 0
+        scoped = tenant.scope(keys)
+        deleted = self.store.delete(scoped)
+        if self.events is not None and deleted:
+            self.events.record("removed", zip(scoped, keys, strict=True))
+        return deleted
 
     def report_bad(self, tenant: Tenant, keys: Sequence[bytes]) -> int:
         """The tenant's verification found these blocks wrong: delete what it would be served.
@@ -155,6 +166,8 @@ class BlockAccess:
                     continue
                 writer = writer_of(block)
                 self.store.delete(scoped)
+                if self.events is not None:
+                    self.events.record("removed", [(scoped[0], key)])
                 self.metrics.bad_blocks.labels(self.directory.label_of(writer)).inc()
                 log.warning(
                     "tenant %s reported block %s (key #%d) of writer %s wrong; deleted",

@@ -24,8 +24,9 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvtier.block import read_header
 from kvtier.config import KvtierConfig
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, CorruptBlockError
 from kvtier.factory import build_store
 from kvtier.metrics import StoreMetrics
 from kvtier.server.access import BlockAccess, provenance_secret
@@ -39,6 +40,7 @@ from kvtier.server.stats import History, StatsSource, dashboard_json
 from kvtier.server.tenants import Tenant, TenantDirectory
 from kvtier.server_config import ServerConfig, is_loopback
 from kvtier.store import TieredStore
+from kvtier.tier_events import TierEventLog
 from kvtier.wire.transport import channel_options
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,13 @@ class CacheServer:
             provenance_secret(config.provenance_key_file),
         )
         self.store.put_wait_s = config.store_put_wait_s
+        self.tier_events = TierEventLog()
+        """Blocks stored and removed, for routers (``GET /tier_events``, docs/router.md)."""
+        self.access.events = self.tier_events
+        # NOTE: a block evicted from the last tier has left the server (one evicted from an
+        # upper tier is still below it, or is being written down). The store gives the last
+        # tier no listener of its own (write-back writes down from the upper ones only).
+        self.store.tiers[-1].set_eviction_listener(self._evicted)
         shared = [t.name for t in self.store.tiers if not t.verifies_reads]
         if shared:
             # NOTE: blocks read back from storage others can write must carry our stamp;
@@ -117,6 +126,14 @@ class CacheServer:
         self.port = 0
         self.http_port: int | None = None
         self.data_port: int | None = None
+
+    def _evicted(self, scoped: bytes, block: bytes) -> None:
+        """The last tier evicted ``block``: recorded under the client's key its header carries."""
+        try:
+            key = read_header(block).key
+        except CorruptBlockError:
+            return  # not a block this server wrote: no client key to report
+        self.tier_events.record("removed", [(scoped, key)])
 
     def _start_reaper(self) -> Reaper:
         self._reaper = Reaper(lambda reason: self.metrics.cancelled_calls.labels(reason).inc())
@@ -185,6 +202,7 @@ class CacheServer:
                         HttpAccess(self.directory, c.http_role) if c.http_require_token else None,
                         timeout_s=c.http_timeout_s,
                         max_threads=c.http_max_threads,
+                        tier_events=self.tier_events,
                     )
                 except OSError as e:
                     raise ConfigError(

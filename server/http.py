@@ -8,6 +8,7 @@ Routes (GET only)::
     /metrics        Prometheus text exposition of the server's registry
     /healthz        200 while the process serves HTTP (liveness)
     /readyz         200 while the gRPC service takes calls, 503 starting or draining
+    /tier_events    blocks stored and removed, with a cursor (long poll; kvtier.tier_events)
 
 A ``ThreadingHTTPServer`` in a daemon thread: no framework, no build step.
 It exposes figures and tenant names, never blocks. By default it asks for no
@@ -42,6 +43,7 @@ import json
 import logging
 import mimetypes
 import threading
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,8 +53,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError
+from kvtier.server.tenants import Tenant, TenantDirectory, UnknownTokenError, scope_key
 from kvtier.server_config import Role
+from kvtier.tier_events import TierEventLog, Visible, parse_query
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +186,7 @@ class HttpFrontend:
             ``None``: anyone.
         timeout_s: A request must arrive within this (socket timeout).
         max_threads: Requests served at once; more connections are closed at once.
+        tier_events: What ``/tier_events`` serves (``None``: 404).
     """
 
     def __init__(
@@ -196,8 +200,10 @@ class HttpFrontend:
         *,
         timeout_s: float = 5.0,
         max_threads: int = 32,
+        tier_events: TierEventLog | None = None,
     ) -> None:
         self._registry = registry
+        self._tier_events = tier_events
         self._stats_json = stats_json
         self._ready = ready
         self._access = access
@@ -256,6 +262,8 @@ class HttpFrontend:
                 if viewer is not None and not viewer.sees_everyone:
                     source = _OwnSeries(self._registry, viewer.label)
                 self._send(h, 200, generate_latest(source), CONTENT_TYPE_LATEST, cache=False)
+            elif path == "/tier_events" and self._tier_events is not None:
+                self._events(h, self._tier_events, viewer)
             elif path == "/healthz":
                 self._send(h, 200, b"ok\n", "text/plain", cache=False)
             elif path == "/readyz":
@@ -271,6 +279,24 @@ class HttpFrontend:
                 self._send(h, 404, b"not found\n", "text/plain")
         except (BrokenPipeError, ConnectionResetError):
             log.debug("http client went away during %s", path)
+
+    def _events(self, h: BaseHTTPRequestHandler, log: TierEventLog, viewer: Tenant | None) -> None:
+        """``/tier_events?after=N&log_id=ID&wait_s=S&limit=L``: a tenant that does not see
+        everyone's figures sees the blocks of its own slots only."""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(h.path).query)
+        try:
+            after, log_id, wait_s, limit = parse_query(query)
+        except ValueError as e:
+            self._send(h, 400, f"bad query: {e}\n".encode(), "text/plain", cache=False)
+            return
+        visible: Visible | None = None
+        if viewer is not None and not viewer.sees_everyone:
+            salts = viewer.read_salts
+            visible = lambda scoped, key: any(scope_key(s, key) == scoped for s in salts)  # noqa: E731
+        if wait_s > 0 and log_id in (None, log.log_id):
+            log.wait(after, wait_s)
+        body = json.dumps(log.read(after, log_id, limit, visible).to_json()).encode()
+        self._send(h, 200, body, "application/json", cache=False)
 
     def _refuse(self, h: BaseHTTPRequestHandler, status: int, reason: str) -> None:
         log.debug("http %s refused %s: %s", h.address_string(), h.path, reason)
