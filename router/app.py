@@ -189,6 +189,11 @@ def create_router_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/failover")
+    async def failover() -> JSONResponse:
+        """Streams interrupted / completed, failed requests, continuation tokens (docs/router.md)."""
+        return JSONResponse(proxy().failover_metrics.snapshot())
+
     @app.get("/scaling")
     async def scaling() -> JSONResponse:
         assert state.pool is not None

@@ -141,6 +141,17 @@ class RouterConfig:
         max_replicas: Most replicas recommended.
         target_utilization: Share of an engine's measured prefill capacity the
             recommendation plans to use.
+        failover: Continue a stream whose engine drops or stalls after its first
+            byte on another engine, and re-issue a non-streamed request whose
+            engine drops (``docs/router.md``, Streams that survive their engine).
+        stall_timeout_s: An engine silent this long mid-stream (or out of the
+            pool this long while a non-streamed answer is awaited) is lost.
+        max_failovers: Engines one stream may be continued on.
+        warm_max_prefixes: Hottest prefixes handed to a joining engine (0: no warm-up).
+        warm_fraction: Share of a joining engine's G1 (in tokens) warm-up may fill.
+        warm_deadline_s: Longest warm-up; the engine takes traffic after it.
+        hot_prefixes: Prefixes whose hits the router counts (the warm-up's
+            candidates; the least recently hit are forgotten).
         engine_api_key: Sent to the engines as a bearer token (else the
             client's ``Authorization`` header is passed on).
         api_key: What the router's own callers must send (``Authorization:
@@ -170,6 +181,13 @@ class RouterConfig:
     min_replicas: int = 1
     max_replicas: int = 64
     target_utilization: float = 0.7
+    failover: bool = True
+    stall_timeout_s: float = 30.0
+    max_failovers: int = 3
+    warm_max_prefixes: int = 32
+    warm_fraction: float = 0.5
+    warm_deadline_s: float = 60.0
+    hot_prefixes: int = 1024
     engine_api_key: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
 
@@ -211,6 +229,12 @@ class RouterConfig:
             )
         if self.max_saved_keys < 1:
             raise RouterConfigError("max_saved_keys must be positive")
+        if self.stall_timeout_s <= 0 or self.warm_deadline_s <= 0:
+            raise RouterConfigError("stall_timeout_s and warm_deadline_s must be positive")
+        if self.max_failovers < 1 or self.warm_max_prefixes < 0 or self.hot_prefixes < 1:
+            raise RouterConfigError("max_failovers >= 1, warm_max_prefixes >= 0, hot_prefixes >= 1")
+        if not 0.0 < self.warm_fraction <= 1.0:
+            raise RouterConfigError(f"warm_fraction must be in (0, 1], got {self.warm_fraction}")
         if not (self.signals_window_s > 0 and self.ttft_target_s > 0):
             raise RouterConfigError("signals_window_s and ttft_target_s must be positive")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:

@@ -7,8 +7,11 @@
          connect error / 429 / 5xx / dropped before the first byte ─► the next engine
          (at most max_attempts engines; a dead one is taken out at once)
     streamed:  the first bytes are awaited, then relayed as they come; an engine
-               that breaks off mid-stream ends the stream with an error event
-    not streamed: the whole answer is read (and abandoned if the client goes away)
+               that breaks off or stalls mid-stream: the stream is continued on
+               another engine (failover.py), or, if it cannot be, ended with an
+               error event
+    not streamed: the whole answer is read (and abandoned if the client goes away;
+               re-issued on another engine if its engine drops or stays down)
 
 A client that disconnects closes the connection to the engine, which aborts
 the request there (the bundled engine and vLLM both do).
@@ -17,6 +20,7 @@ the request there (the bundled engine and vLLM both do).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -32,11 +36,13 @@ from starlette.types import Receive, Scope, Send
 
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.router.config import Role, RouterConfig
+from kvtier.router.continuation import Transcript, continuable
 from kvtier.router.engines import Engine, EnginePool
 from kvtier.router.events import EventFollower
+from kvtier.router.failover import FailoverMetrics, StreamFailover, reissue_body
 from kvtier.router.index import PrefixIndex, PromptKeys, prompt_keys
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policy import Candidate, Router
+from kvtier.router.policy import Candidate, Decision, Router
 from kvtier.router.prompt import prompt_token_ids
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,10 @@ class _ClientGone(Exception):
     """The client disconnected while a whole answer was awaited."""
 
 
+class _EngineLost(Exception):
+    """The engine stayed out of the pool for ``stall_timeout_s`` while its answer was awaited."""
+
+
 class Proxy:
     """Routes and forwards the OpenAI generation routes.
 
@@ -130,6 +140,13 @@ class Proxy:
         self._headers = (
             {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         )
+        self.failover_metrics = FailoverMetrics(metrics.registry)
+        self.failover = (
+            StreamFailover(config, pool, tokenizer, client, metrics, self.failover_metrics,
+                           self.pick_continuation)
+            if config.failover and tokenizer is not None
+            else None
+        )  # fmt: skip
 
     def upstream_headers(self, request: Request) -> dict[str, str]:
         """What the engines are sent: the router's engine key, else the client's own."""
@@ -164,6 +181,23 @@ class Proxy:
                 )
         return out
 
+    async def pick_continuation(self, ids: list[int], exclude: set[str]) -> Decision[Engine] | None:
+        """The engine that continues a stream whose prompt is now ``ids`` (None: none left)."""
+        engines = [e for e in self.pool.serving(("decode", "both")) if e.url not in exclude]
+        if not engines:
+            return None
+        # NOTE: keys under every policy: what the engine holds in G1 tells the tokens it
+        # loads from the shared tier apart (failover's metrics)
+        spaces = {s for e in engines if (s := self.follower.namespace(e.url)) is not None}
+        prompt = await asyncio.to_thread(
+            lambda: RoutedPrompt(ids, {(ns, bs): prompt_keys(ids, ns, bs) for ns, bs in spaces})
+        )
+        cands = self._candidates(engines, prompt)
+        decision = self.router.pick(cands, len(ids), True)
+        self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
+        held = next(c for c in cands if c.engine is decision.engine)
+        return dataclasses.replace(decision, g1_tokens=held.g1_tokens)
+
     # ---- entry point -------------------------------------------------------------------------
 
     async def handle(self, request: Request, path: str) -> Response:
@@ -194,7 +228,13 @@ class Proxy:
             if prefill_engine is not None:
                 extra[PREFILL_HEADER] = prefill_engine
         leg = "decode" if self.config.disaggregated else "direct"
-        return await self._forward(request, path, raw, headers, stream, prompt, roles, leg, extra)
+        transcript = None
+        if self.failover is not None and prompt.ids is not None and continuable(path, body) is None:
+            transcript = Transcript(path, body, prompt.ids)
+            raw = json.dumps(reissue_body(body)).encode()  # the chunks carry their token ids
+        return await self._forward(
+            request, path, raw, headers, stream, prompt, roles, leg, extra, transcript
+        )
 
     async def _prefill_leg(
         self,
@@ -240,6 +280,7 @@ class Proxy:
         roles: tuple[Role, ...],
         leg: str,
         extra_headers: dict[str, str],
+        transcript: Transcript | None = None,
     ) -> Response:
         tried: set[str] = set()
         last_error: Response | None = None
@@ -260,7 +301,7 @@ class Proxy:
             tried.add(engine.url)
             pending = max(0, prompt.num_tokens - decision.hit_tokens)
             outcome = await self._attempt(
-                request, engine, path, payload, headers, stream, pending, leg
+                request, engine, path, payload, headers, stream, pending, leg, transcript
             )
             if isinstance(outcome, Response):
                 if decision.g1_tokens:
@@ -275,6 +316,8 @@ class Proxy:
                 return outcome
             last_error = outcome.response
         self.metrics.requests.labels("none", "error").inc()
+        if leg != "prefill":  # a failed prefill leg is a miss: the decode engine computes it
+            self.failover_metrics.failed_requests.inc()
         if last_error is not None:
             return last_error
         which = "/".join(roles)
@@ -290,6 +333,7 @@ class Proxy:
         stream: bool,
         pending: int,
         leg: str,
+        transcript: Transcript | None = None,
     ) -> Response | _Failed:
         """One try at ``engine``: a response to give the client, or a failure to retry."""
         pool, metrics = self.pool, self.metrics
@@ -340,17 +384,30 @@ class Proxy:
                 metrics.legs.labels(f"{leg}_first_byte" if leg != "prefill" else leg).observe(
                     time.perf_counter() - started
                 )
-                relay = self._relay(engine, first, chunks, resp, end, leg, started)
+                relay = (
+                    self.failover.relay(transcript, engine, first, chunks, resp, end, headers)
+                    if transcript is not None and self.failover is not None
+                    else self._relay(engine, first, chunks, resp, end, leg, started)
+                )
                 ctype = resp.headers.get("content-type", "text/event-stream")
                 return RelayResponse(
                     relay, 200, {"cache-control": "no-cache", "x-accel-buffering": "no"}, ctype
                 )
             try:
-                data = await _unless_disconnected(request, _read_body(resp))
+                watch = (engine, self.config.stall_timeout_s) if self.config.failover else None
+                data = await _unless_disconnected(request, _read_body(resp), watch)
             except _ClientGone:
                 end("client_closed")
                 return Response(status_code=499)
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, _EngineLost) as e:
+                if self.config.failover and leg != "prefill":
+                    self.failover_metrics.requests_reissued.inc()
+                if isinstance(e, _EngineLost):
+                    self.metrics.upstream_errors.labels(engine.url, "timeout").inc()
+                    end("error")
+                    return _Failed(
+                        error_response(502, f"engine {engine.url} stalled", "upstream_error")
+                    )
                 return self._failed(engine, e, end)
             elapsed = time.perf_counter() - started
             metrics.legs.labels(leg).observe(elapsed)
@@ -397,6 +454,8 @@ class Proxy:
                 outcome = "ok"
             except httpx.HTTPError as e:
                 outcome = "error"
+                self.failover_metrics.streams_interrupted.inc()
+                self.failover_metrics.failed_requests.inc()
                 self.metrics.upstream_errors.labels(engine.url, "dropped").inc()
                 log.warning("an engine broke off a stream: %s", e)
                 err = {"error": {"message": f"the engine broke off the stream: {type(e).__name__}",
@@ -428,14 +487,19 @@ async def _read_quietly(resp: httpx.Response) -> bytes:
         await resp.aclose()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Awaits ``work``; if the client goes away first, ``work`` is cancelled (which
+async def _unless_disconnected(
+    request: Request, work: Awaitable[T], watch: tuple[Engine, float] | None = None
+) -> T:
+    """Awaits ``work``; if the client goes away first (or, with ``watch``, the engine
+    stays out of the pool for that many seconds), ``work`` is cancelled (which
     closes its connection to the engine: the engine aborts the request).
 
     Raises:
         _ClientGone: the client disconnected.
+        _EngineLost: the watched engine was out too long.
     """
     task = asyncio.ensure_future(work)
+    down_since: float | None = None
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -443,6 +507,13 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 return task.result()
             if await request.is_disconnected():
                 raise _ClientGone()
+            if watch is not None:
+                if watch[0].healthy:
+                    down_since = None
+                elif down_since is None:
+                    down_since = time.monotonic()
+                elif time.monotonic() - down_since >= watch[1]:
+                    raise _EngineLost()
     finally:
         if not task.done():
             with anyio.CancelScope(shield=True):

@@ -66,6 +66,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                     message=AssistantMessage(content=out.text),
                     logprobs=logprobs,
                     finish_reason=out.finish_reason,
+                    token_ids=list(out.token_ids) if req.return_token_ids else None,
                 )
             ],
             usage=usage_of(finals),
@@ -126,7 +127,8 @@ class _ChatStream:
             self.sent_logprobs = len(out.logprobs)
             if new:
                 logprobs = chat_logprobs(self.state.engine.tokenizer, new)
-        if out.delta_text or out.finished or logprobs is not None:
+        token_ids = list(out.delta_token_ids) if self.req.return_token_ids else None
+        if out.delta_text or out.finished or logprobs is not None or token_ids:
             events.append(
                 self._chunk(
                     [
@@ -135,6 +137,7 @@ class _ChatStream:
                             delta=DeltaMessage(content=out.delta_text),
                             logprobs=logprobs,
                             finish_reason=out.finish_reason if out.finished else None,
+                            token_ids=token_ids,
                         )
                     ],
                     usage,

@@ -71,7 +71,11 @@ def _choice(
     if req.logprobs is not None and out.logprobs is not None:
         logprobs = completion_logprobs(state.engine.tokenizer, out.logprobs, 0)
     return CompletionChoice(
-        index=index, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason
+        index=index,
+        text=out.text,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        token_ids=list(out.token_ids) if req.return_token_ids else None,
     )
 
 
@@ -115,13 +119,15 @@ class _CompletionStream:
                     self.state.engine.tokenizer, new, self.token_chars[index]
                 )
                 self.token_chars[index] += sum(len(e.token) for e in new)
-        if not out.delta_text and not out.finished and logprobs is None:
+        token_ids = list(out.delta_token_ids) if self.req.return_token_ids else None
+        if not out.delta_text and not out.finished and logprobs is None and not token_ids:
             return []
         choice = CompletionChoice(
             index=index,
             text=out.delta_text,
             logprobs=logprobs,
             finish_reason=out.finish_reason if out.finished else None,
+            token_ids=token_ids,
         )
         # continuous usage: this choice's (its prompt, its tokens so far), as vLLM reports it
         return [self._chunk([choice], usage_of([out]) if self.continuous else None)]

@@ -7,7 +7,10 @@ send that do not change generation (``user``, ``metadata``, ``store`` ...),
 which are accepted and ignored.
 
 Extensions beyond OpenAI's schema: ``top_k``, ``stop_token_ids``,
-``ignore_eos``; a prompt may be token ids.
+``ignore_eos``; a prompt may be token ids; ``return_token_ids`` (as vLLM's):
+every choice, and every streamed chunk, carries the ``token_ids`` it adds
+(a chunk is sent for tokens that add no text yet, e.g. part of a UTF-8
+character), which is how the router continues a stream on another engine.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class _SamplingFields(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -156,6 +160,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # with return_token_ids: the tokens of this choice (of this chunk, when streamed)
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -206,6 +212,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -233,6 +240,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
