@@ -124,6 +124,7 @@ class KvtierConnector(KVConnector):
         self._sampler = verify_sampler
         self.scheduler: ConnectorScheduler | None = None  # needs the namespace: register_kv_caches
         self._sync_results: list[LoadResult] = []
+        self._on_evicted: Callable[[bytes], None] | None = None
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -298,6 +299,21 @@ class KvtierConnector(KVConnector):
     @on_saved.setter
     def on_saved(self, callback: Callable[[bytes], None] | None) -> None:
         self.worker.on_saved = callback
+
+    @property
+    def on_evicted(self) -> Callable[[bytes], None] | None:
+        """Told the key of every object the store's last tier evicts for capacity (the
+        engine's KV events: ``unsaved``). Called on the evicting thread, under the tier's
+        lock: it must be quick and must not call into the store."""
+        return self._on_evicted
+
+    @on_evicted.setter
+    def on_evicted(self, callback: Callable[[bytes], None] | None) -> None:
+        self._on_evicted = callback
+        # NOTE: the last tier's listener is free: write-back installs listeners on the
+        # tiers above it only. An upper tier's eviction leaves the object below it.
+        last = self.store.tiers[-1]
+        last.set_eviction_listener(None if callback is None else lambda key, _: callback(key))
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

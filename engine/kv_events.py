@@ -1,10 +1,13 @@
 """KV events: which prefixes an engine holds, published so a router can send requests there.
 
-Three kinds of event, each a batch of 16-byte keys (``kvtier.keys``):
+Four kinds of event, each a batch of 16-byte keys (``kvtier.keys``):
 
 * ``stored``: full blocks registered in the engine's prefix cache (G1);
 * ``evicted``: G1 blocks whose KV was overwritten (the block was handed out again);
-* ``saved``: objects the kvtier connector queued for the shared tier.
+* ``saved``: objects the kvtier connector queued for the shared tier;
+* ``unsaved``: objects the connector's store evicted from its last tier for
+  capacity (a CPU pool or a disk directory this process evicts from; a
+  remote tier's evictions come from the cache server, ``/tier_events``).
 
 NOTE: the keys are kvtier's content addresses: a G1 block ending at token
 ``e`` is named by the key of the prefix it ends, the key a tier object ending
@@ -35,8 +38,9 @@ from typing import Any, Literal
 
 from kvtier.keys import CacheNamespace
 
-EventKind = Literal["stored", "evicted", "saved"]
-KINDS: tuple[EventKind, ...] = ("stored", "evicted", "saved")
+EventKind = Literal["stored", "evicted", "saved", "unsaved"]
+KINDS: tuple[EventKind, ...] = ("stored", "evicted", "saved", "unsaved")
+MAX_UNSAVED = 65_536  # tier evictions held between two drains (the oldest dropped)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class KvEventRecorder:
         self.namespace = namespace
         self._block_key: dict[int, bytes] = {}  # G1 block id -> its key
         self._pending: list[tuple[EventKind, bytes]] = []
+        # NOTE: filled by the store's writer threads (deque appends are atomic), drained
+        # on the step thread after the step's own events: a key saved and evicted
+        # in between is reported gone (the direction in which a router errs harmlessly).
+        self._unsaved: deque[bytes] = deque(maxlen=MAX_UNSAVED)
 
     # ---- block manager callbacks ----------------------------------------------------------
 
@@ -81,8 +89,14 @@ class KvEventRecorder:
         """The connector queued the object ``key`` for the shared tier."""
         self._pending.append(("saved", bytes(key)))
 
+    def unsaved(self, key: bytes) -> None:
+        """The connector's store evicted the object ``key`` (any thread)."""
+        self._unsaved.append(bytes(key))
+
     def drain(self) -> list[KvEvent]:
         """The events since the last call, consecutive ones of a kind in one batch."""
+        while self._unsaved:
+            self._pending.append(("unsaved", self._unsaved.popleft()))
         out: list[KvEvent] = []
         run: list[bytes] = []
         kind: EventKind | None = None
@@ -182,6 +196,9 @@ class KvEventLog:
                     self._stored.update(e.keys)
                 elif e.kind == "evicted":
                     self._stored.difference_update(e.keys)
+                elif e.kind == "unsaved":
+                    for k in e.keys:
+                        self._saved.pop(k, None)
                 else:
                     for k in e.keys:
                         self._saved[k] = None
@@ -235,4 +252,6 @@ def attach_recorder(engine: Any) -> KvEventRecorder:
     engine.block_manager.listener = recorder
     if hasattr(engine.connector, "on_saved"):
         engine.connector.on_saved = recorder.saved
+    if hasattr(engine.connector, "on_evicted"):
+        engine.connector.on_evicted = recorder.unsaved
     return recorder

@@ -71,6 +71,8 @@ def apply_page(
                 index.evicted(engine, keys)
             elif kind == "saved":
                 index.add_saved(keys)
+            elif kind == "unsaved":  # the engine's store evicted it from its last tier
+                index.remove_saved(keys)
             else:
                 continue  # a kind this router does not know: skipped
             metrics.kv_events.labels(engine, kind).inc(len(keys))
@@ -164,6 +166,14 @@ class EventFollower:
             except (httpx.HTTPError, ValueError) as e:
                 log.debug("kv events of %s: %s", url, e)
                 await asyncio.sleep(RETRY_S)
+
+    def follow(self, url: str) -> None:
+        """Follows one more engine (one that joined at runtime; on the serving loop)."""
+        if url in self.cursors:
+            return
+        self.cursors[url] = EventCursor()
+        if self._tasks:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._follow(url)))
 
     def start(self) -> None:
         """Starts one follower task per engine (call on the serving loop)."""

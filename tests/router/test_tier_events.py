@@ -5,11 +5,17 @@ from __future__ import annotations
 import time
 
 import httpx
+from prometheus_client import CollectorRegistry
 
+from kvtier.config import CpuTierConfig, KvtierConfig
+from kvtier.connectors.kvtier_connector import KvtierConnector
+from kvtier.engine.kv_events import KvEvent, KvEventLog, KvEventRecorder
 from kvtier.keys import CacheNamespace
 from kvtier.router.app import BackgroundRouter, create_router_app
 from kvtier.router.config import EngineSpec, RouterConfig
-from kvtier.router.index import prompt_keys
+from kvtier.router.events import EventCursor, apply_page
+from kvtier.router.index import PrefixIndex, prompt_keys
+from kvtier.router.metrics import RouterMetrics
 from tests.router.fake_engine import FakeEngine
 from tests.server.helpers import block, cpu_store_config, key, remote, running_server, server_config
 
@@ -56,3 +62,31 @@ def test_a_shared_tier_eviction_removes_the_key_from_the_router_index() -> None:
         finally:
             tier.close()
             engine.close()
+
+
+def test_an_engine_reports_what_its_own_store_evicts_and_the_router_forgets_it() -> None:
+    """A tier the engine's process evicts from (a CPU pool, a disk directory): ``unsaved``."""
+    size = len(block(0))
+    config = KvtierConfig(tiers=[CpuTierConfig(capacity=3 * size + size // 2)])
+    conn = KvtierConnector(config=config)
+    recorder = KvEventRecorder(NS)
+    conn.on_saved, conn.on_evicted = recorder.saved, recorder.unsaved
+    log = KvEventLog()
+    index = PrefixIndex()
+    try:
+        keys = [key(i) for i in range(5)]
+        for k in keys:
+            recorder.saved(k)  # what the connector reports when it queues a save
+            conn.store.put([(k, block(keys.index(k), bound=k))])
+        events = recorder.drain()
+        assert events[-1] == KvEvent("unsaved", (keys[0], keys[1]))  # the two oldest
+        log.append(events)
+        page = log.read(0).to_json(NS, 16)
+        apply_page(index, "http://e", EventCursor(), page, RouterMetrics(CollectorRegistry()))
+        assert index.saved_size == 3
+        assert log.read(99).snapshot == {"stored": [], "saved": keys[2:]}
+        conn.on_evicted = None
+        conn.store.put([(key(9), block(9))])
+        assert recorder.drain() == []
+    finally:
+        conn.shutdown()
