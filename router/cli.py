@@ -58,7 +58,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               "aims for (GET /scaling, docs/fleet.md).")  # fmt: skip
 @click.option("--min-replicas", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--max-replicas", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--target-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.7,
+@click.option("--target-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.4,
               show_default=True, help="Scaling: share of measured prefill capacity to plan for.")  # fmt: skip
 @click.option("--signals-window", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Scaling: seconds of the signals' sliding window.")  # fmt: skip

@@ -180,7 +180,7 @@ class RouterConfig:
     ttft_target_s: float = 2.0
     min_replicas: int = 1
     max_replicas: int = 64
-    target_utilization: float = 0.7
+    target_utilization: float = 0.4
     failover: bool = True
     stall_timeout_s: float = 30.0
     max_failovers: int = 3

@@ -147,7 +147,6 @@ class RouterSignals:
         self._sample_router_counters(now)
         snap = self.tracker.snapshot(now)
         serving = [e for e in engines if e.healthy and e.role in ("both", "prefill")]
-        rec = recommend_replicas(snap, len(serving), self.target)
         per_engine = {}
         usages = []
         for e in engines:
@@ -171,6 +170,8 @@ class RouterSignals:
                     else None,
                 },
             }
+        kv_usage = sum(usages) / len(usages) if usages else None
+        rec = recommend_replicas(snap, len(serving), self.target, kv_usage)
         rc = self._router_counters
         return {
             "window_s": snap.window_s,
@@ -185,7 +186,7 @@ class RouterSignals:
                 "ttft_samples": snap.ttft_samples,
                 "demand_tokens_per_s": snap.demand_tokens_per_s,
                 "capacity_tokens_per_s": snap.capacity_tokens_per_s,
-                "kv_usage": sum(usages) / len(usages) if usages else None,
+                "kv_usage": kv_usage,
                 "hit_rate": {
                     "g1": rc.ratio(now, "g1", "prompt"),
                     "shared": rc.ratio(now, "shared", "prompt"),

@@ -65,7 +65,7 @@ def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
         health_interval_s=0.1,
         kv_events=False,
         signals_window_s=60.0,
-        ttft_target_s=0.05,  # every answer misses it: the recommendation must rise
+        ttft_target_s=0.05,
         max_replicas=9,
     )
     router = BackgroundRouter(create_router_app(config, tokenizer)).start()
@@ -73,7 +73,7 @@ def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
         with httpx.Client(base_url=router.url, timeout=TIMEOUT) as client:
             before = client.get("/scaling").json()
             assert before["fleet"]["ttft_samples"] == 0
-            assert before["recommendation"]["reason"] == "hold"
+            assert before["recommendation"]["by_capacity"] is None  # nothing answered yet
             # a slow request in flight shows in the queue of its engine
             fakes[0].first_byte_delay_s = fakes[1].first_byte_delay_s = 1.0
             with cf.ThreadPoolExecutor(1) as pool:
@@ -115,7 +115,10 @@ def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
         assert e["hit_rate"]["g1"] == pytest.approx(0.3)
         assert e["hit_rate"]["shared"] == pytest.approx(0.1)
     rec = report["recommendation"]
-    assert rec["current"] == 2 and rec["by_ttft"] == 4 and rec["replicas"] >= 4
+    # no queue at the end: capacity against demand, and KV usage (ceil(2 x 0.25 / 0.8))
+    assert rec["current"] == 2 and rec["by_ttft"] is None and rec["by_kv"] == 1
+    assert rec["by_capacity"] is not None
+    assert rec["replicas"] == min(9, max(1, rec["by_capacity"], rec["by_kv"]))
     assert rec["target"]["ttft_target_s"] == 0.05
 
     samples = {

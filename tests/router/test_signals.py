@@ -149,7 +149,13 @@ TARGET = ScalingTarget(ttft_target_s=2.0, min_replicas=1, max_replicas=20, targe
 
 def test_replicas_follow_demand_over_measured_capacity() -> None:
     r = recommend_replicas(fleet(), current=4, target=TARGET)
-    assert (r.replicas, r.reason, r.by_capacity, r.by_ttft) == (10, "capacity", 10, None)
+    assert (r.replicas, r.reason, r.by_capacity, r.by_kv, r.by_ttft) == (
+        10,
+        "capacity",
+        10,
+        None,
+        None,
+    )
     assert recommend_replicas(fleet(demand_tokens_per_s=700.0), 4, TARGET).replicas == 1
 
 
@@ -161,13 +167,24 @@ def test_replicas_rise_with_the_queue() -> None:
     assert counts == [10, 12, 20]  # (7000 + q / 2) / 700
 
 
-def test_replicas_rise_when_ttft_p99_misses_the_target() -> None:
-    low = fleet(demand_tokens_per_s=1400.0)  # capacity alone: 2
+def test_replicas_rise_when_ttft_p99_misses_the_target_with_requests_queued() -> None:
+    low = fleet(demand_tokens_per_s=1400.0, queue_depth=5)  # capacity alone: 2
     assert recommend_replicas(low, 4, TARGET).replicas == 2
-    r = recommend_replicas(dataclasses.replace(low, ttft_p99_s=3.0), 4, TARGET)
-    assert (r.replicas, r.reason, r.by_ttft) == (6, "ttft", 6)  # 4 x 3 / 2
+    r = recommend_replicas(dataclasses.replace(low, ttft_p99_s=2.5), 4, TARGET)
+    assert (r.replicas, r.reason, r.by_ttft) == (5, "ttft", 5)  # 4 x 2.5 / 2
     r = recommend_replicas(dataclasses.replace(low, ttft_p99_s=30.0), 4, TARGET)
-    assert r.replicas == 8  # at most max_step_up (2x) at once
+    assert r.replicas == 6  # at most max_step_up (1.5x) at once
+    # no more requests awaiting a first byte than engines: the slow answers are history
+    r = recommend_replicas(dataclasses.replace(low, ttft_p99_s=30.0, queue_depth=4), 4, TARGET)
+    assert (r.replicas, r.by_ttft) == (2, None)
+
+
+def test_replicas_rise_when_kv_memory_fills() -> None:
+    low = fleet(demand_tokens_per_s=1400.0)  # capacity alone: 2
+    r = recommend_replicas(low, 4, TARGET, kv_usage=0.96)
+    assert (r.replicas, r.reason, r.by_kv) == (5, "kv", 5)  # ceil(4 x 0.96 / 0.8)
+    r = recommend_replicas(low, 4, TARGET, kv_usage=0.3)
+    assert (r.replicas, r.reason, r.by_kv) == (2, "capacity", 2)
 
 
 def test_bounds_and_no_measurement() -> None:
@@ -184,6 +201,8 @@ def test_bounds_and_no_measurement() -> None:
         ScalingTarget(min_replicas=5, max_replicas=2)
     with pytest.raises(ValueError, match="target_utilization"):
         ScalingTarget(target_utilization=0.0)
+    with pytest.raises(ValueError, match="kv_target"):
+        ScalingTarget(kv_target=1.5)
     with pytest.raises(ValueError, match="current"):
         recommend_replicas(idle, -1, TARGET)
 
