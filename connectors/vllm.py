@@ -29,6 +29,7 @@ registry on ``metrics.port`` from the worker.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,10 @@ class KvtierConnectorV1(KVConnectorBase_V1):
             self._model.block_size,
             [t.name for t in self._store.tiers],
         )
+        if role == KVConnectorRole.SCHEDULER:
+            # what `kvtier router --vllm-kv-events URL=...,namespace=FILE` reads from FILE, so
+            # the router names this engine's blocks with the keys of its tier objects
+            log.info("kvtier namespace: %s", json.dumps(self._namespace.to_json()))
 
     # ---- worker side ------------------------------------------------------------------------
 
