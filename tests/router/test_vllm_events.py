@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
+from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
+from kvtier.cli import main
 from kvtier.engine.models.loader import load_tokenizer
 from kvtier.keys import CacheNamespace, PrefixKeys
 from kvtier.router.app import BackgroundRouter, create_router_app
@@ -307,3 +309,19 @@ def test_the_router_sends_a_prompt_to_the_vllm_engine_whose_events_hold_it(
         pub.close()
         idle.close()
         vllm.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--vllm-kv-events", "http://a:1=tcp://*:5557"], "to connect to"),
+        (["--vllm-kv-events", "http://b:1=tcp://h:1"], "not listed"),
+        (["--vllm-kv-events", "http://a:1=tcp://h:1,replay"], "unknown KV events option"),
+        (["--tier-events", "a:9470"], "tier_events must start with http"),
+    ],
+)
+def test_the_command_line_refuses_bad_event_sources(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(
+        main, ["router", "--model", "none", "--engine", "http://a:1", *args]
+    )
+    assert result.exit_code == 2 and message in result.output
