@@ -312,8 +312,7 @@ class KvtierConnector(KVConnector):
         self._on_evicted = callback
         # NOTE: the last tier's listener is free: write-back installs listeners on the
         # tiers above it only. An upper tier's eviction leaves the object below it.
-        last = self.store.tiers[-1]
-        last.set_eviction_listener(None if callback is None else lambda key, _: callback(key))
+        self.store.tiers[-1].set_evicted_key_listener(callback)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

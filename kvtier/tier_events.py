@@ -86,6 +86,7 @@ class TierEventLog:
         self._max_keys = max_keys
         self._seq = 0
         self._cond = threading.Condition()
+        self.unnamed_evictions = 0
 
     @property
     def last_seq(self) -> int:
@@ -113,6 +114,18 @@ class TierEventLog:
             if n != self._seq:
                 self._seq = n
                 self._cond.notify_all()
+
+    def evicted(self, scoped: bytes) -> None:
+        """A block left the tier, known by its scoped key only (a disk tier's eviction):
+        recorded as ``removed`` under the client's key the log remembers from its
+        ``stored`` entry; one it does not remember (older than ``max_keys``) is counted
+        in ``unnamed_evictions`` and not reported."""
+        with self._cond:
+            key = self._held.get(bytes(scoped))
+            if key is None:
+                self.unnamed_evictions += 1
+                return
+        self.record("removed", [(scoped, key)])
 
     def read(
         self,

@@ -99,7 +99,13 @@ class CacheServer:
         # NOTE: a block evicted from the last tier has left the server (one evicted from an
         # upper tier is still below it, or is being written down). The store gives the last
         # tier no listener of its own (write-back writes down from the upper ones only).
-        self.store.tiers[-1].set_eviction_listener(self._evicted)
+        # A memory tier hands over the block (its header names the client's key); a disk
+        # tier only the key, so that it reads nothing: the log remembers the client's key.
+        last = self.store.tiers[-1]
+        if last.fast:
+            last.set_eviction_listener(self._evicted)
+        else:
+            last.set_evicted_key_listener(self.tier_events.evicted)
         shared = [t.name for t in self.store.tiers if not t.verifies_reads]
         if shared:
             # NOTE: blocks read back from storage others can write must carry our stamp;

@@ -60,6 +60,10 @@ It runs on the evicting thread, possibly under the tier's lock: it must be
 quick, must not block and must not call back into the tier.
 """
 
+EvictedKeyListener = Callable[[bytes], None]
+"""Called with the key of each block a tier evicts to make room, without the
+block (a disk tier then reads nothing); same rules as :data:`EvictionListener`."""
+
 
 @dataclass(frozen=True)
 class TierUsage:
@@ -138,6 +142,10 @@ class Tier(abc.ABC):
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:  # noqa: B027
         """Be told of every block evicted for capacity (tiers that never evict ignore it)."""
+
+    def set_evicted_key_listener(self, listener: EvictedKeyListener | None) -> None:  # noqa: B027
+        """Be told the key of every block evicted for capacity (tiers that never evict, or
+        do not see their evictions, ignore it). Independent of :meth:`set_eviction_listener`."""
 
     def check_integrity(self) -> None:  # noqa: B027
         """Raise ``AssertionError`` if internal bookkeeping is inconsistent.

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.metrics import StoreMetrics
-from kvtier.tiers.base import EvictionListener, Tier, TierUsage
+from kvtier.tiers.base import EvictedKeyListener, EvictionListener, Tier, TierUsage
 from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
 
 
@@ -46,12 +46,16 @@ class CpuTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._listener: EvictionListener | None = None
+        self._key_listener: EvictedKeyListener | None = None
         self._metrics = metrics
         self.evictions = 0
         self.skipped_writes = 0
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         self._listener = listener
+
+    def set_evicted_key_listener(self, listener: EvictedKeyListener | None) -> None:
+        self._key_listener = listener
 
     def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
         blocks = self._blocks
@@ -117,6 +121,8 @@ class CpuTier(Tier):
             self._metrics.evictions.labels(self.name).inc()
         if self._listener is not None:
             self._listener(victim, block)
+        if self._key_listener is not None:
+            self._key_listener(victim)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0

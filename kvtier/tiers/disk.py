@@ -68,7 +68,7 @@ from pathlib import Path
 from kvtier.block import verify_block
 from kvtier.errors import CorruptBlockError
 from kvtier.metrics import StoreMetrics
-from kvtier.tiers.base import EvictionListener, Tier, TierUsage
+from kvtier.tiers.base import EvictedKeyListener, EvictionListener, Tier, TierUsage
 from kvtier.tiers.disk_files import (
     BlockFile,
     block_path,
@@ -139,6 +139,7 @@ class DiskTier(Tier):
         self._last_scan = -float("inf")
         self._foreign = False  # another process changed the directory under us
         self._listener: EvictionListener | None = None
+        self._key_listener: EvictedKeyListener | None = None
         self.evictions = 0
         self.dropped_writes = 0
         self.skipped_writes = 0
@@ -237,6 +238,9 @@ class DiskTier(Tier):
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         self._listener = listener
+
+    def set_evicted_key_listener(self, listener: EvictedKeyListener | None) -> None:
+        self._key_listener = listener
 
     def contains(self, keys: Sequence[bytes], *, deadline: float | None = None) -> list[bool]:
         with self._lock:
@@ -461,6 +465,8 @@ class DiskTier(Tier):
                 data = b""
             if data:
                 self._listener(victim, data)
+        if self._key_listener is not None:
+            self._key_listener(victim)
         path.unlink(missing_ok=True)
 
     def delete(self, keys: Sequence[bytes]) -> int:

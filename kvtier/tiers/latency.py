@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvtier.tiers.base import EvictionListener, Tier, TierUsage
+from kvtier.tiers.base import EvictedKeyListener, EvictionListener, Tier, TierUsage
 
 
 class LatencyTier(Tier):
@@ -84,6 +84,9 @@ class LatencyTier(Tier):
 
     def set_eviction_listener(self, listener: EvictionListener | None) -> None:
         self.inner.set_eviction_listener(listener)
+
+    def set_evicted_key_listener(self, listener: EvictedKeyListener | None) -> None:
+        self.inner.set_evicted_key_listener(listener)
 
     def check_integrity(self) -> None:
         self.inner.check_integrity()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 
+from kvtier.config import DiskTierConfig, KvtierConfig
 from tests.server.helpers import TOKENS, block, key, remote, running_server, server_config, tenants
 
 
@@ -44,3 +47,23 @@ def test_each_tenant_sees_its_own_blocks_stored_and_removed() -> None:
         finally:
             alpha.close()
             beta.close()
+
+
+def test_evictions_from_a_disk_tier_are_reported_without_reading_the_blocks(
+    tmp_path: Path,
+) -> None:
+    size = len(block(0))
+    store = KvtierConfig(tiers=[DiskTierConfig(path=tmp_path / "blocks", capacity=3 * size + 1024)])
+    with running_server(server_config(), store) as server:
+        base = f"http://127.0.0.1:{server.http_port}"
+        tier = remote(server)
+        try:
+            for i in range(5):
+                tier.put([(key(i), block(i))])
+            page = _get(base, None).json()
+            removed = _keys(page, "removed")
+            assert removed and set(removed) <= {key(i).hex() for i in range(2)}
+            assert not any(tier.contains([bytes.fromhex(k) for k in removed]))
+            assert server.tier_events.unnamed_evictions == 0
+        finally:
+            tier.close()
