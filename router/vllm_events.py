@@ -176,13 +176,14 @@ class VllmEventFollower:
     async def deliver(self, s: VllmStream, seq: int, payload: bytes) -> None:
         """One live batch: duplicates dropped, gaps filled (or the engine forgotten), applied."""
         joining = s.next_seq is None
-        if s.next_seq is None:  # joining: what the replay socket still has comes first
-            s.next_seq = 0 if s.source.replay_endpoint else seq
-        if seq < s.next_seq:
+        if s.next_seq is not None and seq < s.next_seq:
             if s.replayed_from is not None and seq >= s.replayed_from:
                 return  # already applied from the replay
             self.forget(s.source.engine, "restart")  # the publisher started over
-            s.next_seq = seq
+            joining = True
+        if joining:  # what the replay socket still has comes first
+            s.next_seq = 0 if s.source.replay_endpoint else seq
+        assert s.next_seq is not None
         if seq > s.next_seq:
             await self._fill(s, s.next_seq, seq, joining)
         s.replayed_from = None
