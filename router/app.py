@@ -3,7 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (routed,
 streamed or not), ``GET /v1/models`` (from a healthy engine), ``GET /health``
 (200 while some engine can answer), ``GET /metrics`` (the router's own),
-``GET /scaling`` (scaling signals and the recommended replica count, JSON).
+``GET /scaling`` (scaling signals and the recommended replica count, JSON),
+``GET /failover`` (streams continued on another engine, JSON), ``POST /engines``
+(an engine joins, warmed first) and ``GET /warm_start`` (its warm-up, JSON).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvtier.engine.server.auth import RequireApiKey
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.net import bind_listener
-from kvtier.router.config import RouterConfig
+from kvtier.router.config import EngineSpec, RouterConfig, RouterConfigError
 from kvtier.router.engines import EnginePool
 from kvtier.router.events import EventFollower
 from kvtier.router.index import PrefixIndex
@@ -33,6 +35,7 @@ from kvtier.router.policy import Router, Weights
 from kvtier.router.proxy import Proxy, error_response
 from kvtier.router.scaling_report import RouterSignals, ScalingCollector, SignalsMiddleware
 from kvtier.router.tier_events import TierEventFollower
+from kvtier.router.warmup import Warmer, WarmMetrics
 
 if TYPE_CHECKING:
     from kvtier.router.vllm_events import VllmEventFollower
@@ -58,6 +61,8 @@ class RouterState:
         self.vllm_events: VllmEventFollower | None = None
         self.tier_events: TierEventFollower | None = None
         self.client: httpx.AsyncClient | None = None
+        self.warm_metrics = WarmMetrics(registry)
+        self.warmer: Warmer | None = None
 
     async def start(self) -> None:
         c = self.config
@@ -83,6 +88,10 @@ class RouterState:
         weights = Weights(c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance)
         self.proxy = Proxy(c, self.pool, Router(c.policy, weights), self.index, self.follower,
                            self.tokenizer, self.client, self.metrics)  # fmt: skip
+        self.warmer = Warmer(self.pool, self.proxy.hot, self.client, self.warm_metrics,
+                             max_prefixes=c.warm_max_prefixes, fraction=c.warm_fraction,
+                             deadline_s=c.warm_deadline_s, cancel_load=c.warm_cancel_load,
+                             headers=headers)  # fmt: skip
         await self.pool.check_all()
         self.pool.start()
         if c.kv_events:
@@ -105,7 +114,25 @@ class RouterState:
         if self.vllm_events is not None:
             self.vllm_events.engine_down(url)
 
+    async def add_engine(self, spec: EngineSpec, warm: bool) -> dict[str, object]:
+        """An engine joins at runtime; warmed first when ``warm`` (and warm-up is on).
+
+        Raises:
+            ValueError: if it is already in the pool.
+        """
+        assert self.pool is not None and self.follower is not None and self.warmer is not None
+        warm = warm and self.config.warm_max_prefixes > 0
+        engine = await self.pool.add(spec, warming=warm)
+        if self.config.kv_events:
+            self.follower.follow(engine.url)
+        if warm:
+            self.warmer.start(engine)
+        return {"url": engine.url, "role": engine.role, "healthy": engine.healthy,
+                "warming": engine.warming}  # fmt: skip
+
     async def stop(self) -> None:
+        if self.warmer is not None:
+            await self.warmer.stop()
         if self.follower is not None:
             await self.follower.stop()
         if self.vllm_events is not None:
@@ -177,8 +204,8 @@ def create_router_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         assert state.pool is not None
-        engines = {e.url: {"healthy": e.healthy, "role": e.role, "in_flight": e.in_flight}
-                   for e in state.pool.engines}  # fmt: skip
+        engines = {e.url: {"healthy": e.healthy, "role": e.role, "in_flight": e.in_flight,
+                           "warming": e.warming} for e in state.pool.engines}  # fmt: skip
         roles = ("decode", "both") if config.disaggregated else ("both",)
         ok = bool(state.pool.serving(roles))
         return JSONResponse(
@@ -193,6 +220,33 @@ def create_router_app(
     async def failover() -> JSONResponse:
         """Streams interrupted / completed, failed requests, continuation tokens (docs/router.md)."""
         return JSONResponse(proxy().failover_metrics.snapshot())
+
+    @app.post("/engines")
+    async def add_engine(request: Request) -> Response:
+        """``{"url": ..., "role": "both", "warm": true}``: an engine joins (docs/router.md)."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise ValueError("the body must be a JSON object with a 'url'")
+            spec = EngineSpec(body["url"], body.get("role", "both"))
+            if spec.role == "prefill" and not config.disaggregated:
+                raise ValueError("a prefill engine joins only a P/D router")
+            warm = body.get("warm", True)
+            if not isinstance(warm, bool):
+                raise ValueError("'warm' must be true or false")
+        except (ValueError, RouterConfigError) as e:
+            return error_response(400, str(e), "invalid_engine")
+        try:
+            added = await state.add_engine(spec, warm)
+        except ValueError as e:
+            return error_response(409, str(e), "engine_exists")
+        return JSONResponse(added, 201)
+
+    @app.get("/warm_start")
+    async def warm_start() -> JSONResponse:
+        """Each joining engine's warm-up: prefixes, tokens, duration (docs/router.md)."""
+        assert state.warmer is not None
+        return JSONResponse(state.warmer.snapshot())
 
     @app.get("/scaling")
     async def scaling() -> JSONResponse:

@@ -62,6 +62,20 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               show_default=True, help="Scaling: share of measured prefill capacity to plan for.")  # fmt: skip
 @click.option("--signals-window", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="Scaling: seconds of the signals' sliding window.")  # fmt: skip
+@click.option("--no-failover", is_flag=True,
+              help="Do not continue a stream whose engine is lost on another engine.")  # fmt: skip
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="Failover: seconds of silence after which an engine "
+              "streaming an answer is lost.")  # fmt: skip
+@click.option("--max-failovers", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Failover: engines one stream may be continued on.")  # fmt: skip
+@click.option("--warm-max-prefixes", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Warm-up: hottest prefixes an engine joining (POST /engines) loads first; "
+              "0 turns warm-up off.")  # fmt: skip
+@click.option("--warm-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.5,
+              show_default=True, help="Warm-up: share of the joining engine's G1 it may fill.")  # fmt: skip
+@click.option("--warm-deadline", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Warm-up: seconds after which the engine takes traffic.")  # fmt: skip
 @click.option("--engine-api-key", envvar="KVTIER_ENGINE_API_KEY", show_envvar=True, default=None,
               help="Bearer token sent to the engines (default: the client's, passed on).")  # fmt: skip
 @click.option("--api-key", envvar="KVTIER_ROUTER_API_KEY", show_envvar=True, default=None,
@@ -108,6 +122,12 @@ def router(**kw: Any) -> None:
             max_replicas=kw["max_replicas"],
             target_utilization=kw["target_utilization"],
             signals_window_s=kw["signals_window"],
+            failover=not kw["no_failover"],
+            stall_timeout_s=kw["stall_timeout"],
+            max_failovers=kw["max_failovers"],
+            warm_max_prefixes=kw["warm_max_prefixes"],
+            warm_fraction=kw["warm_fraction"],
+            warm_deadline_s=kw["warm_deadline"],
             engine_api_key=kw["engine_api_key"],
             api_key=_api_key(kw["api_key"]),
         )

@@ -150,6 +150,8 @@ class RouterConfig:
         warm_max_prefixes: Hottest prefixes handed to a joining engine (0: no warm-up).
         warm_fraction: Share of a joining engine's G1 (in tokens) warm-up may fill.
         warm_deadline_s: Longest warm-up; the engine takes traffic after it.
+        warm_cancel_load: Warm-up stops early when every other engine has this
+            many requests in flight (or none serves): traffic needs the engine.
         hot_prefixes: Prefixes whose hits the router counts (the warm-up's
             candidates; the least recently hit are forgotten).
         engine_api_key: Sent to the engines as a bearer token (else the
@@ -187,6 +189,7 @@ class RouterConfig:
     warm_max_prefixes: int = 32
     warm_fraction: float = 0.5
     warm_deadline_s: float = 60.0
+    warm_cancel_load: int = 4
     hot_prefixes: int = 1024
     engine_api_key: str | None = field(default=None, repr=False)
     api_key: str | None = field(default=None, repr=False)
@@ -233,6 +236,8 @@ class RouterConfig:
             raise RouterConfigError("stall_timeout_s and warm_deadline_s must be positive")
         if self.max_failovers < 1 or self.warm_max_prefixes < 0 or self.hot_prefixes < 1:
             raise RouterConfigError("max_failovers >= 1, warm_max_prefixes >= 0, hot_prefixes >= 1")
+        if self.warm_cancel_load < 1:
+            raise RouterConfigError(f"warm_cancel_load must be >= 1, got {self.warm_cancel_load}")
         if not 0.0 < self.warm_fraction <= 1.0:
             raise RouterConfigError(f"warm_fraction must be in (0, 1], got {self.warm_fraction}")
         if not (self.signals_window_s > 0 and self.ttft_target_s > 0):

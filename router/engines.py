@@ -44,6 +44,8 @@ class Engine:
         kv_capacity_tokens: Tokens its G1 holds, from its ``/metrics`` (0: unknown).
         reservations: G1 memory its requests in flight hold, as the router
             counts it (prompt + ``max_tokens`` each), oldest first.
+        warming: Joined the router and is being warmed (``warmup.py``): not
+            routed to until that is done or cancelled.
     """
 
     url: str
@@ -54,6 +56,7 @@ class Engine:
     reported_load: int = 0
     kv_capacity_tokens: int = 0
     reservations: list[Reservation] = field(default_factory=list)
+    warming: bool = False
 
     @property
     def load(self) -> int:
@@ -136,8 +139,24 @@ class EnginePool:
             metrics.in_flight.labels(e.url).set(0)
 
     def serving(self, roles: tuple[Role, ...]) -> list[Engine]:
-        """Healthy engines of the given roles, in configured order."""
-        return [e for e in self.engines if e.healthy and e.role in roles]
+        """Healthy engines of the given roles, in configured order (warming ones left out)."""
+        return [e for e in self.engines if e.healthy and not e.warming and e.role in roles]
+
+    async def add(self, spec: EngineSpec, warming: bool = False) -> Engine:
+        """An engine joins at runtime (checked once at once, then with the others).
+
+        Raises:
+            ValueError: if its URL is already in the pool.
+        """
+        if spec.url in self.by_url:
+            raise ValueError(f"engine {spec.url} is already in the pool")
+        engine = Engine(spec.url, spec.role, warming=warming)
+        self.engines.append(engine)
+        self.by_url[engine.url] = engine
+        self._metrics.healthy.labels(engine.url).set(0)
+        self._metrics.in_flight.labels(engine.url).set(0)
+        await self.check(engine)
+        return engine
 
     # ---- health --------------------------------------------------------------------------
 

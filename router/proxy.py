@@ -44,6 +44,7 @@ from kvtier.router.index import PrefixIndex, PromptKeys, prompt_keys
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Candidate, Decision, Router
 from kvtier.router.prompt import prompt_token_ids
+from kvtier.router.warmup import HotPrefixes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -141,6 +142,7 @@ class Proxy:
             {"authorization": f"Bearer {config.engine_api_key}"} if config.engine_api_key else {}
         )
         self.failover_metrics = FailoverMetrics(metrics.registry)
+        self.hot = HotPrefixes(config.hot_prefixes)  # hit statistics (warm-up's candidates)
         self.failover = (
             StreamFailover(config, pool, tokenizer, client, metrics, self.failover_metrics,
                            self.pick_continuation)
@@ -304,6 +306,8 @@ class Proxy:
                 request, engine, path, payload, headers, stream, pending, leg, transcript
             )
             if isinstance(outcome, Response):
+                if prompt.ids is not None and leg != "prefill":
+                    self.hot.observe(prompt.ids, max(decision.g1_tokens, decision.shared_tokens))
                 if decision.g1_tokens:
                     self.metrics.matched_tokens.labels("g1").inc(decision.g1_tokens)
                 if decision.hit_tokens > decision.g1_tokens:
