@@ -89,7 +89,6 @@ class VllmStream:
     source: VllmEventSource
     map: VllmBlockMap
     next_seq: int | None = None  # None: nothing received since (re)start
-    replayed_from: int | None = None  # live batches in [replayed_from, next_seq) are duplicates
     counts: dict[str, int] = field(default_factory=dict)  # for tests and logs
 
 
@@ -146,7 +145,7 @@ class VllmEventFollower:
         s = self.streams.get(url)
         if s is not None:
             self.forget(url, "engine_down")
-            s.next_seq, s.replayed_from = None, None
+            s.next_seq = None
 
     def apply_payload(self, s: VllmStream, payload: bytes) -> None:
         """Applies one batch to the map and the index.
@@ -174,19 +173,21 @@ class VllmEventFollower:
             self._namespaces.set_namespace(url, s.map.namespace, s.map.block_size)
 
     async def deliver(self, s: VllmStream, seq: int, payload: bytes) -> None:
-        """One live batch: duplicates dropped, gaps filled (or the engine forgotten), applied."""
+        """One live batch: gaps filled (or the engine forgotten), then applied.
+
+        NOTE: a replay fills only the batches before the live one that revealed the gap,
+        and PUB/SUB delivers in order, so no live batch repeats a replayed one: a number
+        going back is a restarted publisher.
+        """
         joining = s.next_seq is None
         if s.next_seq is not None and seq < s.next_seq:
-            if s.replayed_from is not None and seq >= s.replayed_from:
-                return  # already applied from the replay
-            self.forget(s.source.engine, "restart")  # the publisher started over
+            self.forget(s.source.engine, "restart")
             joining = True
         if joining:  # what the replay socket still has comes first
             s.next_seq = 0 if s.source.replay_endpoint else seq
         assert s.next_seq is not None
         if seq > s.next_seq:
             await self._fill(s, s.next_seq, seq, joining)
-        s.replayed_from = None
         try:
             self.apply_payload(s, payload)
         except VllmEventError as e:
@@ -216,7 +217,6 @@ class VllmEventFollower:
             except VllmEventError as e:
                 log.warning("KV events of %s: replayed batch %d dropped: %s", s.source.engine, q, e)
                 self.forget(s.source.engine, "gap")
-        s.replayed_from = start
 
     async def replay(self, source: VllmEventSource, start: int) -> list[tuple[int, bytes]]:
         """Every batch the publisher still buffers from ``start`` on, in order.
