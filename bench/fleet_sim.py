@@ -14,8 +14,12 @@ Zipf-popular prefixes (``fleet_workload.py``), the same for every
 configuration. Every mode (``colocated``, ``colocated+tier``, ``pd+tier``,
 ``pd-direct``) runs with every policy (``round_robin``, ``least_loaded``,
 ``cache_aware``); a sweep over engine counts (sessions scaled alike) gives the
-hit-rate plot. Plots go to ``bench/plots/fleet-ttft.png`` and
-``fleet-hit-rate.png``. A table, then one JSON line last.
+hit-rate plot. Then the scaling comparison (``fleet/scaling.py``): a traffic
+spike (``--scale-spike``) met by an autoscaler on the router's scaling
+signals (``kvtier.router.scaling``, the function the router serves) and by
+one on engine utilisation, each at its default and over a sweep of its
+target. Plots go to ``bench/plots/fleet-ttft.png``, ``fleet-hit-rate.png``
+and ``fleet-scaling.png``. Tables, then one JSON line last.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ from kvtier.bench.fleet.costs import PROFILES, Profile, load_profile
 from kvtier.bench.fleet.metrics import summarize
 from kvtier.bench.fleet.model import MODES, FleetSpec, run_fleet
 from kvtier.bench.fleet.router import POLICIES
+from kvtier.bench.fleet.scaling import (
+    SWEEPS,
+    AutoscalerSpec,
+    ScalingScenario,
+    compare_autoscalers,
+)
 from kvtier.bench.fleet.workload import WorkloadSpec, build_sessions
 from kvtier.bench.lib.common import emit, table
 from kvtier.router.policy import Weights
@@ -70,6 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tier-latency-ms", type=float)
     ap.add_argument("--tier-gb", type=float, help="tier capacity")
     ap.add_argument("--seed", type=int, default=0)
+    sc = ap.add_argument_group("scaling comparison")
+    sc.add_argument("--no-scaling", action="store_true", help="skip the scaling comparison")
+    sc.add_argument("--scale-engines", type=int, default=4,
+                    help="the steady rate is what this many engines get by default")  # fmt: skip
+    sc.add_argument("--scale-duration", type=float, default=600.0, help="seconds of arrivals")
+    sc.add_argument("--scale-spike", default="180,360,3", help="START_S,END_S,FACTOR")
+    sc.add_argument("--scale-startup-s", type=float, default=60.0, help="replica start-up delay")
+    sc.add_argument("--scale-ttft-target", type=float, default=2.5, help="the router's target")
+    sc.add_argument("--scale-seeds", help="default 0,1 (--quick) / 0,1,2,3,4")
     ap.add_argument("--plots", default=str(Path(__file__).resolve().parent / "plots"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -80,7 +99,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sweep_engines = [] if args.sweep == "none" else [int(s) for s in args.sweep.split(",")]
     args.mode_list = _csv(args.modes, MODES)
     args.policy_list = _csv(args.policies, POLICIES)
+    try:
+        start, end, factor = (float(x) for x in args.scale_spike.split(","))
+        args.spike = (start, end, factor)
+        seeds = args.scale_seeds or ("0,1" if args.quick else "0,1,2,3,4")
+        args.scale_seed_list = tuple(int(x) for x in seeds.split(","))
+    except ValueError:
+        raise SystemExit(
+            "--scale-spike is START_S,END_S,FACTOR; --scale-seeds is N,N,..."
+        ) from None
     return args
+
+
+def scaling_scenario(args: argparse.Namespace, profile: Profile) -> ScalingScenario:
+    """The spike of the scaling comparison (colocated with the tier, cache-aware routing)."""
+    rate = args.rate if args.rate is not None else profile.session_rate_per_engine
+    wl = WorkloadSpec(
+        sessions=1,
+        session_rate=rate * args.scale_engines,
+        prefixes=args.prefixes,
+        zipf_s=args.zipf,
+        answer_tokens=profile.answer_tokens,
+    )
+    return ScalingScenario(wl, args.scale_duration, args.spike, args.scale_seed_list)
+
+
+def scaling_table(scaling: dict[str, Any]) -> str:
+    """Each autoscaler over its target sweep (the default starred)."""
+    rows = []
+    for kind, (knob, _) in SWEEPS.items():
+        default = scaling[kind][knob]
+        for p in scaling["sweep"][kind]:
+            star = " *" if p[knob] == default else ""
+            rows.append([f"{kind} {knob}={p[knob]:g}{star}", p["ttft_p99_spike_s"],
+                         p["replica_minutes"], p["max_replicas"]])  # fmt: skip
+    return table(["autoscaler (* default)", "TTFT p99 in spike s", "replica-min", "max"], rows)
 
 
 def build_profile(args: argparse.Namespace) -> Profile:
@@ -196,6 +249,19 @@ def main(argv: list[str] | None = None) -> None:
             sweep.setdefault(name, []).append(
                 {"engines": n, "hit_rate": r["hit_rate"], "ttft": r["ttft"]}
             )
+    scaling = None
+    if not args.no_scaling:
+        base = AutoscalerSpec(
+            "signals",
+            initial_replicas=max(2, args.scale_engines),
+            min_replicas=2,
+            max_replicas=max(8, 8 * args.scale_engines),
+            startup_s=args.scale_startup_s,
+            ttft_target_s=args.scale_ttft_target,
+        )
+        scaling = compare_autoscalers(
+            profile.engine, profile.tier, scaling_scenario(args, profile), base
+        )
     wall = time.perf_counter() - t0
 
     wl = workload(args, profile, args.engines)
@@ -249,15 +315,35 @@ def main(argv: list[str] | None = None) -> None:
         },
         "results": results,
         "sweep": {"engines": args.sweep_engines, "results": sweep} if sweep else None,
+        "scaling": scaling,
     }
+    if scaling is not None:
+        c = scaling["config"]
+        print(
+            f"\nscaling: {c['sessions']} sessions per seed over {c['duration_s']:g} s, arrivals "
+            f"x{c['spike'][2]:g} from {c['spike'][0]:g} to {c['spike'][1]:g} s; start-up "
+            f"{c['autoscaler']['startup_s']:g} s, sync {c['autoscaler']['sync_s']:g} s, "
+            f"seeds {list(c['seeds'])}; TTFT target {c['autoscaler']['ttft_target_s']:g} s"
+        )
+        print(scaling_table(scaling))
+        rs = scaling["replica_start"]
+        print(
+            "new replicas' first minute (signals): hit rate "
+            f"{rs['tier']['new_replicas']['hit_rate']:.2f} with the shared tier, "
+            f"{rs['no_tier']['new_replicas']['hit_rate']:.2f} without; TTFT p99 "
+            f"{rs['tier']['new_replicas']['ttft_p99_s']:.2f} s vs "
+            f"{rs['no_tier']['new_replicas']['ttft_p99_s']:.2f} s"
+        )
     if not args.no_plots:
-        from kvtier.bench.fleet.plots import plot_hit_rate, plot_ttft
+        from kvtier.bench.fleet.plots import plot_hit_rate, plot_scaling, plot_ttft
 
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         paths = [plot_ttft(summary, out)]
         if sweep:
             paths.append(plot_hit_rate(summary, out))
+        if scaling is not None:
+            paths.append(plot_scaling(summary, out))
         summary["plots"] = [str(p) for p in paths]
         print("\nplots: " + ", ".join(str(p) for p in paths))
     emit(summary)

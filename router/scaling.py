@@ -14,9 +14,14 @@ simulation's autoscaler (``bench/fleet/scaling.py``) are the same code::
                                                           await their first byte than engines serve
     replicas  = clamp(max(by_cap, by_kv, by_ttft), min_replicas, max_replicas)
 
-``demand`` is the fleet's uncached prompt tokens routed per second and
+``demand`` is the fleet's uncached prompt tokens routed per second,
+``in_flight`` the uncached prompt tokens routed and not yet answered and
 ``capacity`` one engine's measured prefill throughput (tokens per busy
-second), both over the signals' window; ``current`` is the engines serving
+second), over the signals' window. By Little's law a steady fleet holds
+``demand x mean TTFT`` tokens in flight, so the queue term adds
+``demand x mean TTFT / ttft_target``: little while answers come well within
+the target, as much as the demand itself when the mean reaches it — and at
+once when a burst queues, before the windowed demand has risen. ``current`` is the engines serving
 now; ``kv_usage`` their mean KV usage (``vllm:kv_cache_usage_perc``, the
 bundled engine's blocks used / total). Prefill capacity alone misses one
 limit: an engine whose KV memory is full admits nothing, however fast it

@@ -1,4 +1,5 @@
-"""Plots of ``bench/fleet_sim.py``'s JSON summary: TTFT per mode and policy, hit rate vs fleet size.
+"""Plots of ``bench/fleet_sim.py``'s JSON summary: TTFT per mode and policy, hit rate vs fleet
+size, the scaling comparison.
 
 python -m bench.fleet_sim --quick | tail -1 > /tmp/fleet.json
 python -m bench.fleet.plots /tmp/fleet.json --out bench/plots
@@ -104,6 +105,61 @@ def plot_hit_rate(summary: dict[str, Any], out: Path) -> Path:
     return path
 
 
+SCALER_COLORS = {"signals": "tab:orange", "utilization": "tab:blue"}
+
+
+def plot_scaling(summary: dict[str, Any], out: Path) -> Path:
+    """``fleet-scaling.png``: replicas and TTFT over the spike per autoscaler, and the frontier
+    of replica-minutes against TTFT p99 in the spike over each autoscaler's target sweep."""
+    sc = summary["scaling"]
+    start, end, factor = sc["config"]["spike"]
+    fig, (ax_n, ax_t, ax_f) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for kind, color in SCALER_COLORS.items():
+        r = sc[kind]
+        tl, knob = r["timeline"], next(k for k in r if k.endswith("utilization"))
+        label = f"{kind} ({knob} {r[knob]:g})"
+        ax_n.step(tl["t"], tl["provisioned"], where="post", color=color, label=label)
+        ax_n.step(tl["t"], tl["ready"], where="post", color=color, ls=":", alpha=0.7)
+        b = r["ttft_p99_by_arrival"]
+        ax_t.plot(b["t"], b["p99_s"], color=color, marker=".", label=kind)
+        pts = sc["sweep"][kind]
+        xs = [p["replica_minutes"] for p in pts]
+        ys = [p["ttft_p99_spike_s"] for p in pts]
+        ax_f.plot(xs, ys, color=color, marker="o", label=kind)
+        for p, x, y in zip(pts, xs, ys, strict=True):
+            ax_f.annotate(f"{p[knob]:g}", (x, y), fontsize=7, xytext=(3, 3),
+                          textcoords="offset points")  # fmt: skip
+        ax_f.plot([r["replica_minutes"]], [r["ttft_p99_spike_s"]], color=color, marker="*",
+                  markersize=14)  # fmt: skip
+    for ax in (ax_n, ax_t):
+        ax.axvspan(start, end, color="tab:red", alpha=0.08)
+        ax.set_xlabel(f"time, s (shaded: arrivals x{factor:g})")
+        ax.grid(alpha=0.3)
+    ax_n.set_ylabel("replicas (solid: paid for, dotted: ready)")
+    ax_n.legend(fontsize=8)
+    ax_n.set_title("Replicas (first seed)", fontsize=10)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("TTFT p99 of arrivals per sync period, s (log)")
+    ax_t.axhline(sc["config"]["autoscaler"]["ttft_target_s"], color="k", ls="--", lw=0.8)
+    ax_t.set_title("TTFT (first seed; dashed: the router's target)", fontsize=10)
+    ax_f.set_yscale("log")
+    ax_f.set_xlabel("replica-minutes (mean over seeds)")
+    ax_f.set_ylabel("TTFT p99 in the spike, s (log)")
+    ax_f.set_title("Cost vs spike TTFT over each target (star: default)", fontsize=10)
+    ax_f.grid(alpha=0.3)
+    ax_f.legend(fontsize=8)
+    fig.suptitle(
+        f"Autoscaling on the router's signals vs on utilisation, profile {summary['config']['profile']}, "
+        f"start-up {sc['config']['autoscaler']['startup_s']:g} s",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    path = out / "fleet-scaling.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("summary", help="a file whose last line is fleet_sim.py's JSON")
@@ -115,6 +171,8 @@ def main() -> None:
     print(plot_ttft(summary, out))
     if summary.get("sweep"):
         print(plot_hit_rate(summary, out))
+    if summary.get("scaling"):
+        print(plot_scaling(summary, out))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ class WorkloadSpec:
         think_s: Mean think time between an answer and the next turn (exponential).
         max_context_tokens: A turn whose prompt plus answer would exceed this ends the session.
         unique_prefixes: Every session gets a prefix of its own (no sharing).
+        spike: ``(start_s, end_s, factor)``: sessions start ``factor`` times as
+            often between ``start_s`` and ``end_s`` (None: a steady rate).
         seed: Seed of every draw.
     """
 
@@ -59,6 +61,7 @@ class WorkloadSpec:
     think_s: float = 8.0
     max_context_tokens: int = 8192
     unique_prefixes: bool = False
+    spike: tuple[float, float, float] | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +77,18 @@ class WorkloadSpec:
             self.max_context_tokens
         ):
             raise ValueError("max_context_tokens must fit a first turn of maximal size")
+        if self.spike is not None:
+            start, end, factor = self.spike
+            if not (0 <= start < end and factor > 0):
+                raise ValueError("spike must be (start_s, end_s, factor) with 0 <= start < end")
+
+    def sessions_until(self, t: float) -> float:
+        """Expected sessions started by time ``t`` (the rate, spike included, integrated)."""
+        if self.spike is None:
+            return self.session_rate * t
+        start, end, factor = self.spike
+        extra = (factor - 1) * max(0.0, min(t, end) - start)
+        return self.session_rate * (t + extra)
 
 
 @dataclass(frozen=True)
@@ -123,11 +138,23 @@ def zipf_weights(n: int, s: float) -> np.ndarray:
     return w / w.sum()
 
 
+def _spiked(steady: np.ndarray, start: float, end: float, factor: float) -> np.ndarray:
+    """Arrival times of a steady Poisson process mapped onto one whose rate is ``factor``
+    times higher in ``[start, end)`` (the inverse of the integrated rate)."""
+    t = steady
+    in_spike = start + (end - start) * factor  # steady time at which the spike ends
+    return np.where(
+        t < start, t, np.where(t < in_spike, start + (t - start) / factor, end + (t - in_spike))
+    )
+
+
 def build_sessions(spec: WorkloadSpec) -> list[Session]:
     """The sessions of ``spec``, deterministic for its seed."""
     rng = np.random.default_rng(spec.seed)
     n = spec.sessions
     arrivals = np.cumsum(rng.exponential(1.0 / spec.session_rate, n))
+    if spec.spike is not None:
+        arrivals = _spiked(arrivals, *spec.spike)
     lo, hi = spec.prefix_tokens
     if spec.unique_prefixes:
         prefix_ids = np.arange(n)

@@ -26,6 +26,7 @@ from kvtier.bench.fleet.metrics import summarize, weighted_percentile, windowed_
 from kvtier.bench.fleet.model import MODES, Fleet, FleetSpec, SimResult, SimulationError, run_fleet
 from kvtier.bench.fleet.request import Phase
 from kvtier.bench.fleet.router import POLICIES, KvIndex
+from kvtier.bench.fleet.scaling import AUTOSCALERS, AutoscalerSpec, ScalingFleet, run_scaling
 from kvtier.bench.fleet.tier import Network
 from kvtier.bench.fleet.workload import Session, Turn, WorkloadSpec, build_sessions
 from kvtier.router.policy import Weights
@@ -373,7 +374,8 @@ def test_the_cli_prints_a_table_then_one_json_line(
 ) -> None:
     from kvtier.bench.fleet_sim import main
 
-    main(["--engines", "4", "--sessions", "12", "--sweep", "2,4", "--plots", str(tmp_path)])
+    main(["--engines", "4", "--sessions", "12", "--sweep", "2,4", "--plots", str(tmp_path),
+          "--scale-duration", "240", "--scale-spike", "60,150,3", "--scale-seeds", "0"])  # fmt: skip
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert set(summary["results"]) == {f"{m}/{p}" for m in MODES for p in POLICIES}
@@ -384,3 +386,83 @@ def test_the_cli_prints_a_table_then_one_json_line(
     r = summary["results"]["pd+tier/cache_aware"]
     assert r["handoff"]["p50_ms"] > 0 and r["tier"]["read"]["gb"] > 0
     assert summary["results"]["colocated/round_robin"]["tier"]["read"]["gb"] == 0
+    # the scaling comparison ran: both autoscalers on the same spike, each over its sweep
+    scaling = summary["scaling"]
+    assert (tmp_path / "fleet-scaling.png").stat().st_size > 0
+    assert "autoscaler (* default)" in "\n".join(out[:-1])
+    for kind in AUTOSCALERS:
+        r = scaling[kind]
+        assert r["ttft_p99_spike_s"] > 0 and r["replica_minutes"] > 0
+        assert r["requests"] == scaling["signals"]["requests"]  # the same workload
+        assert len(r["timeline"]["t"]) >= 10 and len(scaling["sweep"][kind]) == 4
+    assert scaling["signals"]["max_replicas"] > 2  # it scaled up for the spike
+    assert (
+        scaling["replica_start"]["tier"]["new_replicas"]["hit_rate"]
+        > (scaling["replica_start"]["no_tier"]["new_replicas"]["hit_rate"])
+    )
+
+
+# ---- the scaling comparison -----------------------------------------------------------------
+
+
+def spiked(duration: float, spike: tuple[float, float, float], seed: int = 0) -> list[Session]:
+    wl = WorkloadSpec(sessions=1, session_rate=0.5, answer_tokens=(16, 64), spike=spike, seed=seed)
+    return build_sessions(dataclasses.replace(wl, sessions=round(wl.sessions_until(duration))))
+
+
+def test_a_spike_multiplies_the_arrival_rate_in_its_window() -> None:
+    sessions = spiked(600, (200.0, 300.0, 3.0))
+    arrivals = np.array([s.arrival_s for s in sessions])
+    before = np.sum(arrivals < 200) / 200
+    during = np.sum((arrivals >= 200) & (arrivals < 300)) / 100
+    assert 2.2 < during / before < 3.8
+    wl = WorkloadSpec(sessions=1, session_rate=0.5, spike=(200.0, 300.0, 3.0))
+    assert wl.sessions_until(600) == pytest.approx(0.5 * 600 + 0.5 * 2 * 100)
+    with pytest.raises(ValueError, match="spike"):
+        WorkloadSpec(sessions=1, session_rate=1.0, spike=(10.0, 5.0, 2.0))
+
+
+def test_the_simulated_autoscaler_runs_the_routers_own_recommendation() -> None:
+    import kvtier.bench.fleet.scaling as sim_scaling
+    import kvtier.router.scaling as router_scaling
+    import kvtier.router.signals as router_signals
+
+    assert sim_scaling.recommend_replicas is router_scaling.recommend_replicas
+    assert sim_scaling.SignalTracker is router_signals.SignalTracker
+    assert sim_scaling.ScalingFleet.__mro__[1] is Fleet  # the fleet model, routed by the router
+
+
+def test_a_fixed_fleet_pays_replicas_times_span() -> None:
+    sessions = spiked(200, (50.0, 100.0, 2.0))
+    spec = AutoscalerSpec("signals", initial_replicas=3, min_replicas=3, max_replicas=3)
+    fleet = ScalingFleet(ENGINE, TIER, "colocated+tier", "cache_aware", sessions, spec)
+    result = fleet.run()
+    end = max(r.finish_s for r in result.requests)
+    assert fleet.replica_minutes(end) == pytest.approx(3 * end / 60)
+    assert {r.prefill_engine for r in result.requests} <= {0, 1, 2}
+    assert set(fleet.timeline.provisioned) == {3}
+
+
+@pytest.mark.parametrize("kind", AUTOSCALERS)
+def test_autoscalers_grow_for_a_spike_and_shrink_after(kind: str) -> None:
+    spike = (120.0, 300.0, 4.0)
+    sessions = spiked(500, spike)
+    spec = AutoscalerSpec(kind, initial_replicas=2, min_replicas=1, max_replicas=24,
+                          startup_s=30.0, scale_down_window_s=60.0)  # fmt: skip
+    r = run_scaling(ENGINE, TIER, "colocated+tier", "cache_aware", sessions, spec, spike)
+    tl = r["timeline"]
+    during = [n for t, n in zip(tl["t"], tl["ready"], strict=True) if 200 <= t < 300]
+    after = [n for t, n in zip(tl["t"], tl["provisioned"], strict=True) if t >= 480]
+    assert max(during) > 2 and after and after[-1] < max(during)
+    assert r["new_replicas"]["requests"] > 0  # replicas that joined served requests
+    # every request was routed to a ready engine and answered once (Fleet.run checks it)
+    assert r["requests"] == sum(len(s.turns) for s in sessions)
+
+
+def test_autoscaler_specs_are_checked() -> None:
+    with pytest.raises(ValueError, match="autoscaler"):
+        AutoscalerSpec("cpu")
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscalerSpec("signals", initial_replicas=1, min_replicas=2)
+    with pytest.raises(ValueError, match="colocated"):
+        ScalingFleet(ENGINE, TIER, "pd+tier", "cache_aware", [], AutoscalerSpec("signals"))
