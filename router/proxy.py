@@ -42,7 +42,7 @@ from kvtier.router.events import EventFollower
 from kvtier.router.failover import FailoverMetrics, StreamFailover, reissue_body
 from kvtier.router.index import PrefixIndex, PromptKeys, prompt_keys
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policy import Candidate, Decision, Router
+from kvtier.router.policy import Candidate, Decision, Reservation, Router
 from kvtier.router.prompt import prompt_token_ids
 from kvtier.router.warmup import HotPrefixes
 
@@ -91,10 +91,21 @@ class RoutedPrompt:
 
     ids: list[int] | None
     keys: dict[tuple[Any, int], PromptKeys]  # (namespace, block size) -> the prompt's keys
+    answer_tokens: int = 0  # its max_tokens (0: not given): with the prompt, the G1 it holds
 
     @property
     def num_tokens(self) -> int:
         return len(self.ids) if self.ids is not None else 0
+
+
+def answer_budget(body: dict[str, Any]) -> int:
+    """The most tokens a request may generate (``max_completion_tokens``, ``max_tokens``; 0: not
+    given or not a positive integer)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
 
 
 class _ClientGone(Exception):
@@ -168,7 +179,8 @@ class Proxy:
         ids = prompt_token_ids(self.tokenizer, path, body)
         if ids is None:
             return RoutedPrompt(None, {})
-        return RoutedPrompt(ids, {(ns, bs): prompt_keys(ids, ns, bs) for ns, bs in spaces})
+        keys = {(ns, bs): prompt_keys(ids, ns, bs) for ns, bs in spaces}
+        return RoutedPrompt(ids, keys, answer_budget(body))
 
     def _candidates(self, engines: list[Engine], prompt: RoutedPrompt) -> list[Candidate]:
         out = []
@@ -295,15 +307,18 @@ class Proxy:
                 if self.config.policy == "cache_aware"
                 else [Candidate(e) for e in engines]
             )
-            decision = self.router.pick(cands, prompt.num_tokens, prompt.ids is not None)
+            answer = 1 if leg == "prefill" else prompt.answer_tokens
+            decision = self.router.pick(cands, prompt.num_tokens, prompt.ids is not None, answer)
             self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
             if attempt:
                 self.metrics.retries.inc()
             engine = decision.engine
             tried.add(engine.url)
             pending = max(0, prompt.num_tokens - decision.hit_tokens)
+            kv = prompt.num_tokens + answer
+            held = Reservation(kv, answer, kv - decision.hit_tokens)
             outcome = await self._attempt(
-                request, engine, path, payload, headers, stream, pending, leg, transcript
+                request, engine, path, payload, headers, stream, pending, leg, transcript, held
             )
             if isinstance(outcome, Response):
                 if prompt.ids is not None and leg != "prefill":
@@ -338,10 +353,11 @@ class Proxy:
         pending: int,
         leg: str,
         transcript: Transcript | None = None,
+        reservation: Reservation | None = None,
     ) -> Response | _Failed:
         """One try at ``engine``: a response to give the client, or a failure to retry."""
         pool, metrics = self.pool, self.metrics
-        pool.begin(engine, pending)
+        pool.begin(engine, pending, reservation)
         started = time.perf_counter()
         ended = False
 
@@ -350,7 +366,7 @@ class Proxy:
             if not ended:
                 ended = True
                 pool.first_byte(engine, pending)
-                pool.end(engine)
+                pool.end(engine, reservation)
                 metrics.requests.labels(engine.url, outcome).inc()
 
         try:
