@@ -116,8 +116,10 @@ class RouterSignals:
             return
         now = self.clock()
         self._stats[url] = stats
-        window = self._engine_counters.get(url)
-        if window is not None and stats.counters:
+        if stats.counters:  # NOTE: engines may join at runtime (POST /engines)
+            window = self._engine_counters.get(url)
+            if window is None:
+                window = self._engine_counters[url] = CounterWindow(self.config.signals_window_s)
             window.add(now, stats.counters)
         self._sample_router_counters(now)
 
