@@ -7,6 +7,7 @@
     python -m bench.serve --workload doc-qa --systems kvtier_small_g1,kvtier_small_g1_cpu_tier
     python -m bench.serve --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier
     python -m bench.serve --quick --router                 # two engines behind kvtier router
+    python -m bench.serve --quick --router --engine vllm   # two vLLM-CPU engines behind it
 
 Workloads (``bench/lib/serve_workloads.py``): ``multi-round`` — by default the
 reference workload: 6 users, a 1,000-token system prompt shared by all,
@@ -123,7 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--router",
         action="store_true",
-        help="two engines behind `kvtier router`: policies and P/D (bench/serve_router.py)",
+        help="two engines behind `kvtier router`: policies, failover, warm start and P/D "
+        "(bench/serve_router.py; with --engine and --dtype)",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=("kvtier", "vllm"),
+        default="kvtier",
+        help="with --router: the engines behind the router",
     )
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--target", default=None, help="base URL of a running server")
@@ -537,7 +545,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.router:
         from kvtier.bench.serve_router import main as router_main
 
-        router_main(["--quick"] if args.quick else [])
+        forward = ["--quick"] if args.quick else []
+        forward += ["--engine", args.engine, "--dtype", args.dtype, "--seed", str(args.seed)]
+        router_main(forward)
         return
     plan = make_plan(args)
     count = token_counter(args.tokenizer)

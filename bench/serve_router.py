@@ -1,34 +1,50 @@
-"""Two ``kvtier engine serve`` processes behind ``kvtier router``: routing policies, and P/D.
+"""Two engines behind ``kvtier router``: routing policies, failover, warm start and P/D.
 
-    python -m bench.serve_router --quick        # also: python -m bench.serve --quick --router
-    python -m bench.serve_router --quick --no-pd
+    python -m bench.serve_router --quick                 # also: python -m bench.serve --quick --router
+    python -m bench.serve_router --quick --engine vllm   # two vLLM-CPU engines (.venv-vllm)
+    python -m bench.serve_router --quick --dtype float32 # a host without native bf16
+    python -m bench.serve_router --quick --phases policies --kv-tokens 8000
 
-**Policies** (one run, the same two engines, one after the other):
-``round_robin`` then ``cache_aware`` on the multi-round workload
-(``bench/lib/serve_workloads.py``: users share a system prompt, each has a
-context, every round re-sends the history). Each policy gets its own seed
-(no text of one policy's run is in the other's), and ``round_robin`` goes
-first, so it starts with empty caches and ``cache_aware`` with the caches
-full of the other run's text. The engines have a G1 of ``--kv-tokens``
-tokens each and no connector: about half the users fit in one engine, so
-what one engine holds depends on where the router sent them. An odd number
-of users keeps round robin from sending a user to the same engine every
-round by accident. **Hit rate** = prompt tokens served from G1 / prompt
-tokens looked up, summed over both engines' ``/metrics`` over the run.
+``--engine``: ``kvtier`` (``kvtier engine serve``) or ``vllm`` (vLLM-CPU
+0.32; its KV events reach the router over ZMQ, ``--vllm-kv-events``).
+``--dtype``: every engine's weights and KV (``auto``: bf16 only on a host
+with native bf16). Budgets are tokens (``--kv-tokens`` of G1 per engine),
+converted to each engine's bytes or blocks at its own dtype
+(``bench/lib/router_fleet.py``), so float32 holds the same tokens as bf16.
 
-**P/D** (the same two engines, started again for each mode, with the kvtier
-connector on one ``kvtier serve`` cache server, new for each mode):
-``colocated`` (both engines ``--role both``, the router ``least_loaded``)
-then ``pd`` (``--role prefill`` and ``--role decode``, the router sending
-each prompt to the prefill engine and the request to the decode engine),
-on long-prompt arrivals: unique documents of ``--pd-prompt-tokens`` tokens,
-Poisson at ``--pd-qps``, ``--pd-answer-tokens`` tokens each. ITL = gaps
-between streamed chunks of every request (the decoding requests).
+**Policies** (``policies``): ``round_robin`` then ``cache_aware`` on the
+multi-round workload (``bench/lib/serve_workloads.py``: users share a
+system prompt, each has a context, every round re-sends the history), the
+same two engines (no connector: G1 only) one policy after the other. Each
+policy gets its own seed (no text of one run is in the other's), and
+``round_robin`` goes first, so it starts with empty caches and
+``cache_aware`` with the caches full of the other run's text. With the
+default ``--kv-tokens`` 3,600 about half the users fit in one engine's G1
+(tight); what one engine holds depends on where the router sent them. An
+odd number of users keeps round robin from sending a user to the same
+engine every round by accident. **Hit rate** = prompt tokens found in G1 /
+prompt tokens looked up, summed over both engines' ``/metrics`` over the run.
 
-Each engine gets one torch thread (two engines on a small host).
-A table, then one JSON line last: ``policies.{round_robin,cache_aware}.
-{hit_rate,ttft_p50_s,ttft_p99_s,...}``, ``pd.{colocated,pd}.{itl_p99_s,...}``
-and the bars (``checks``).
+**Failover** (``failover``, ``bench/lib/router_failover.py``): two engines
+with the kvtier connector on one ``kvtier serve`` cache server, streamed
+requests with long answers; once two streams are mid-stream on one engine,
+its process group is killed by PID. Counts from the router (``GET
+/failover``) and the client.
+
+**Warm start** (``warm_start``, ``bench/lib/router_warm.py``): a fresh
+replica joins the router of a running fleet, with and without warm-up;
+TTFT of the requests it serves in its first minute.
+
+**P/D** (``pd``, bundled engine only; the same two engines started again
+for each mode, the kvtier connector on a new ``kvtier serve`` each):
+``colocated`` (both ``--role both``, router ``least_loaded``) then ``pd``
+(``--role prefill`` + ``--role decode``) on unique long documents, Poisson
+arrivals. ITL = gaps between streamed chunks.
+
+A table, the bars, then one JSON line last: ``policies.{round_robin,
+cache_aware}.{hit_rate,ttft_p50_s,ttft_p99_s}``, ``failover.{streams_interrupted,
+streams_completed,failed_requests,tokens_loaded_from_tier,tokens_recomputed}``,
+``warm_start.{with,without}.{ttft_p50_s,ttft_p99_s}``, ``pd``, ``bars``.
 """
 
 from __future__ import annotations
@@ -36,8 +52,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -45,21 +59,18 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.lib.common import emit, machine, table
-from kvtier.bench.lib.serve_calibrate import host_fastest_dtype
+from kvtier.bench.lib.common import emit, load_average, machine, table
+from kvtier.bench.lib.router_fleet import (
+    EngineProcess,
+    FleetOptions,
+    RouterProcess,
+    engine_process,
+    shared_tier,
+)
+from kvtier.bench.lib.serve_calibrate import cpu_flags, host_fastest_dtype
 from kvtier.bench.lib.serve_client import Limits, run_workload, warm_up
 from kvtier.bench.lib.serve_metrics import Samples, delta, run_metrics, scrape
 from kvtier.bench.lib.serve_stats import summarize
-from kvtier.bench.lib.serve_systems import (
-    REPO,
-    KvtierEngineServer,
-    SystemOptions,
-    free_port,
-    kv_bytes_per_token,
-    stop_process,
-    tier_config,
-    wait_healthy,
-)
 from kvtier.bench.lib.serve_workloads import (
     Lane,
     MultiRoundConfig,
@@ -72,15 +83,25 @@ from kvtier.bench.lib.serve_workloads import (
 )
 
 POLICIES = ("round_robin", "cache_aware")
+PHASES = ("policies", "failover", "warm_start", "pd")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the reduced workloads (~15 min)")
+    ap.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier")
     ap.add_argument(
-        "--quick", action="store_true", help="the reduced workloads (10-20 min on 2 vCPUs)"
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="every engine's dtype (auto: bf16 only on a host with native bf16)",
     )
-    ap.add_argument("--no-pd", action="store_true", help="policies only")
-    ap.add_argument("--no-policies", action="store_true", help="P/D only")
+    ap.add_argument(
+        "--phases",
+        default=None,
+        help=f"comma-separated, of {','.join(PHASES)} (default: all; vllm: all but pd)",
+    )
+    ap.add_argument("--no-pd", action="store_true", help="all phases but pd")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--users", type=int, default=None, help="default 7 (--quick 5); odd")
     ap.add_argument("--rounds", type=int, default=None, help="default 5 (--quick 4)")
@@ -89,13 +110,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--qps", type=float, default=1.0)
     ap.add_argument(
-        "--kv-tokens", type=int, default=3600, help="G1 of each engine in the policy runs"
+        "--kv-tokens", type=int, default=3600, help="G1 of each engine in the policy runs, tokens"
+    )
+    ap.add_argument(
+        "--fleet-kv-tokens",
+        type=int,
+        default=16_000,
+        help="G1 of each engine in the failover, warm-start and P/D runs, tokens",
     )
     ap.add_argument("--pd-requests", type=int, default=None, help="default 16 (--quick 10)")
     ap.add_argument("--pd-prompt-tokens", type=int, default=1500)
     ap.add_argument("--pd-answer-tokens", type=int, default=48)
     ap.add_argument("--pd-qps", type=float, default=0.4)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads / OpenMP CPUs per engine")
     ap.add_argument("--duration-s", type=float, default=120.0, help="sending time per run")
     ap.add_argument("--request-timeout-s", type=float, default=180.0)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
@@ -107,60 +134,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rounds = 4 if args.quick else 5
     if args.pd_requests is None:
         args.pd_requests = 10 if args.quick else 16
+    if args.phases is None:
+        default = [p for p in PHASES if not (p == "pd" and (args.no_pd or args.engine == "vllm"))]
+        args.phase_list = default
+    else:
+        args.phase_list = [p.strip() for p in args.phases.split(",") if p.strip()]
+        bad = [p for p in args.phase_list if p not in PHASES]
+        if bad:
+            ap.error(f"unknown phases {bad}; known: {', '.join(PHASES)}")
+    if args.engine == "vllm" and "pd" in args.phase_list:
+        ap.error("the pd phase runs the bundled engine's --role prefill/decode: not with vllm")
     return args
 
 
-class RouterProcess:
-    """``kvtier router`` in a subprocess on a free port."""
-
-    def __init__(self, engines: list[tuple[str, str]], policy: str, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        flag = {"both": "--engine", "prefill": "--prefill", "decode": "--decode"}
-        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(self.port)]
-        cmd += ["--policy", policy, "--health-interval", "0.5"]
-        for url, role in engines:
-            cmd += [flag[role], url]
-        self.cmd = cmd
-        self.log_path = log_path
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> RouterProcess:
-        with self.log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        try:
-            wait_healthy(self.url, self._proc, 120.0)
-        except BaseException:
-            stop_process(self._proc, grace_s=5)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._proc is not None:
-            stop_process(self._proc, grace_s=10)
-
-
-def engine(
-    args: argparse.Namespace,
-    workdir: Path,
-    name: str,
-    kv_tokens: int,
-    *,
-    role: str = "both",
-    kvtier_config: Path | None = None,
-) -> KvtierEngineServer:
-    server = KvtierEngineServer(
-        kv_tokens * kv_bytes_per_token(host_fastest_dtype()),  # the engine's "auto" dtype
-        workdir / f"{name}.log",
-        kvtier_config=kvtier_config,
+def fleet_options(args: argparse.Namespace) -> FleetOptions:
+    dtype = host_fastest_dtype() if args.dtype == "auto" else args.dtype
+    return FleetOptions(
+        engine=args.engine,
+        dtype=dtype,
         threads=args.threads,
         start_timeout_s=args.start_timeout_s,
     )
-    if role != "both":
-        server.cmd += ["--role", role]
-    return server
 
 
 def summed(samples: list[Samples | None]) -> Samples:
@@ -182,7 +176,7 @@ def measure(
     after = summed([scrape(u) for u in engine_urls])
     out = summarize(result)
     server = run_metrics(delta(before, after))
-    out["hit_rate"] = server.get("hit_rate")
+    out["hit_rate"] = server.get("g1_hit_rate", server.get("hit_rate"))
     out["server_metrics"] = server
     routed = scrape(router_url) or {}
     out["router_decisions"] = {
@@ -227,71 +221,132 @@ def long_prompts(args: argparse.Namespace, count: Callable[[str], int], seed: in
     return Workload("long-prompts", lanes, args.pd_answer_tokens, params)
 
 
+def _warm(router_url: str, count: Callable[[str], int], say: Callable[[str], None]) -> None:
+    warm = asyncio.run(warm_up(router_url, "smollm2", warmup_messages(count)))
+    if warm.error:
+        say(f"  note: warm-up failed: {warm.error}")
+
+
 def run_policies(
-    args: argparse.Namespace, count: Callable[[str], int], workdir: Path, say: Callable[[str], None]
+    args: argparse.Namespace,
+    opts: FleetOptions,
+    count: Callable[[str], int],
+    workdir: Path,
+    say: Callable[[str], None],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with ExitStack() as stack:
         engines = [
-            stack.enter_context(engine(args, workdir, f"policy-engine{i}", args.kv_tokens))
+            stack.enter_context(engine_process(opts, workdir, f"policy-engine{i}", args.kv_tokens))
             for i in range(2)
         ]
         urls = [e.url for e in engines]
-        say(f"policies: engines up at {urls}")
+        say(f"policies: {opts.engine} engines up at {urls} ({engines[0].info['g1_tokens']} tokens)")
         for i, policy in enumerate(POLICIES):
-            with RouterProcess(
-                [(u, "both") for u in urls], policy, workdir / f"router-{policy}.log"
-            ) as router:
-                warm = asyncio.run(warm_up(router.url, "smollm2", warmup_messages(count)))
-                if warm.error:
-                    say(f"  note: warm-up failed: {warm.error}")
+            router = RouterProcess(
+                [(e, "both") for e in engines], policy, workdir / f"router-{policy}.log"
+            )
+            with router:
+                _warm(router.url, count, say)
                 workload = multi_round(args, count, args.seed + 100 * (i + 1))
                 say(f"  {policy}: {workload.planned} requests")
                 out[policy] = measure(router.url, urls, workload, args)
                 out[policy]["workload"] = workload.params
+        out["engines"] = [e.info for e in engines]
     return out
+
+
+def run_failover(
+    args: argparse.Namespace,
+    opts: FleetOptions,
+    count: Callable[[str], int],
+    workdir: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    from kvtier.bench.lib.router_failover import FailoverLoad
+    from kvtier.bench.lib.router_failover import run_failover as drive
+
+    phase_dir = workdir / "failover"
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        config = stack.enter_context(shared_tier(phase_dir))
+        engines = [
+            stack.enter_context(
+                engine_process(
+                    opts, phase_dir, f"engine{i}", args.fleet_kv_tokens, connector=config
+                )
+            )
+            for i in range(2)
+        ]
+        say(f"failover: {opts.engine} engines up at {[e.url for e in engines]}")
+        router = RouterProcess(
+            [(e, "both") for e in engines], "cache_aware", phase_dir / "router.log"
+        )
+        with router:
+            _warm(router.url, count, say)
+            load = FailoverLoad(seed=args.seed)
+            say(f"  {load.requests} streams; one engine is killed mid-stream")
+            out = drive(router.url, engines, load, count, timeout_s=args.request_timeout_s)
+            say(f"  killed {out['killed_engine']} with {out['streams_mid_stream_at_kill']} streams")
+        out["engines"] = [e.info for e in engines]
+    return out
+
+
+def run_warm_start(
+    args: argparse.Namespace,
+    opts: FleetOptions,
+    count: Callable[[str], int],
+    workdir: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    from kvtier.bench.lib.router_warm import WarmLoad
+    from kvtier.bench.lib.router_warm import run_warm_start as drive
+
+    return drive(opts, workdir / "warm-start", WarmLoad(seed=args.seed), count, args, say)
 
 
 @contextmanager
 def pd_engines(
-    args: argparse.Namespace, workdir: Path, mode: str, kv_tokens: int
-) -> Iterator[list[tuple[str, str]]]:
-    from kvtier.bench.lib.peers import ServerProcess
-
+    args: argparse.Namespace, opts: FleetOptions, workdir: Path, mode: str
+) -> Iterator[list[tuple[EngineProcess, str]]]:
     roles = ("prefill", "decode") if mode == "pd" else ("both", "both")
+    mode_dir = workdir / mode
+    mode_dir.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        cache = stack.enter_context(ServerProcess(2 << 30))
-        opts = SystemOptions(max_model_len=2048)
-        mode_dir = workdir / mode
-        mode_dir.mkdir(parents=True, exist_ok=True)
-        config = tier_config("server", opts, mode_dir, cache.address)
+        config = stack.enter_context(shared_tier(mode_dir))
         engines = [
             stack.enter_context(
-                engine(
-                    args, mode_dir, f"{mode}-{role}{i}", kv_tokens, role=role, kvtier_config=config
+                engine_process(
+                    opts,
+                    mode_dir,
+                    f"{mode}-{role}{i}",
+                    args.fleet_kv_tokens,
+                    connector=config,
+                    role=role,
                 )
             )
             for i, role in enumerate(roles)
         ]
-        yield [(e.url, role) for e, role in zip(engines, roles, strict=True)]
+        yield list(zip(engines, roles, strict=True))
 
 
 def run_pd(
-    args: argparse.Namespace, count: Callable[[str], int], workdir: Path, say: Callable[[str], None]
+    args: argparse.Namespace,
+    opts: FleetOptions,
+    count: Callable[[str], int],
+    workdir: Path,
+    say: Callable[[str], None],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    kv_tokens = 16_000  # G1 large enough: the comparison is about interference, not capacity
     for mode in ("colocated", "pd"):
-        with pd_engines(args, workdir, mode, kv_tokens) as engines:
+        with pd_engines(args, opts, workdir, mode) as engines:
             policy = "least_loaded" if mode == "colocated" else "cache_aware"
-            say(f"{mode}: engines up at {engines}")
+            say(f"{mode}: engines up at {[(e.url, role) for e, role in engines]}")
             with RouterProcess(engines, policy, workdir / f"router-{mode}.log") as router:
-                warm = asyncio.run(warm_up(router.url, "smollm2", warmup_messages(count)))
-                if warm.error:
-                    say(f"  note: warm-up failed: {warm.error}")
+                _warm(router.url, count, say)
                 workload = long_prompts(args, count, args.seed)
                 say(f"  {mode}: {workload.planned} requests")
-                out[mode] = measure(router.url, [u for u, _ in engines], workload, args)
+                out[mode] = measure(router.url, [e.url for e, _ in engines], workload, args)
                 legs = scrape(router.url) or {}
                 out[mode]["router_legs"] = {
                     dict(labels)["leg"]: v
@@ -310,26 +365,60 @@ def _pct(v: float | None) -> str:
     return f"{v:.1%}" if v is not None else "-"
 
 
-def report(policies: dict[str, Any], pd: dict[str, Any]) -> str:
-    headers = ["run", "req", "err", "hit", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+def report(results: dict[str, Any]) -> str:
+    """The table: the policy and P/D runs, then failover and warm start."""
+    headers = ["run", "req", "err", "G1 hit", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+    runs = [(k, v) for k, v in results.get("policies", {}).items() if k in POLICIES]
+    runs += [(f"pd/{k}", v) for k, v in results.get("pd", {}).items()]
+    runs += [(f"warm_start/{k}", v) for k, v in results.get("warm_start", {}).items()
+             if k in ("with", "without")]  # fmt: skip
     rows = [
-        [name, s["requests"], s["errors"], _pct(s.get("hit_rate")), _ms(s["ttft_p50_s"]),
-         _ms(s["ttft_p99_s"]), _ms(s["itl_p50_s"]), _ms(s["itl_p99_s"])]
-        for name, s in [*policies.items(), *pd.items()]
+        [name, s.get("requests"), s.get("errors"), _pct(s.get("hit_rate")), _ms(s.get("ttft_p50_s")),
+         _ms(s.get("ttft_p99_s")), _ms(s.get("itl_p50_s")), _ms(s.get("itl_p99_s"))]
+        for name, s in runs
     ]  # fmt: skip
-    return table(headers, rows)
+    text = table(headers, rows)
+    fo = results.get("failover")
+    if fo:
+        text += (
+            f"\nfailover: killed {fo.get('killed_engine')} with "
+            f"{fo.get('streams_mid_stream_at_kill')} streams mid-stream; router: "
+            f"interrupted {fo.get('streams_interrupted')}, completed {fo.get('streams_completed')}, "
+            f"failed requests {fo.get('failed_requests')}, continuation prompt tokens loaded from "
+            f"the tier {fo.get('tokens_loaded_from_tier')}, recomputed {fo.get('tokens_recomputed')}; "
+            f"texts equal to the survivor's {fo.get('texts_equal')} of {fo.get('texts_compared')}"
+        )
+    return text
 
 
-def checks(policies: dict[str, Any], pd: dict[str, Any]) -> dict[str, bool | None]:
+def _le(a: float | None, b: float | None, factor: float = 1.0) -> bool | None:
+    return None if a is None or b is None else a <= factor * b
+
+
+def bars(results: dict[str, Any]) -> dict[str, bool | None]:
+    """The issue's bars over whichever phases ran (None: a figure is missing)."""
     out: dict[str, bool | None] = {}
-    rr, ca = policies.get("round_robin"), policies.get("cache_aware")
+    pol = results.get("policies", {})
+    rr, ca = pol.get("round_robin"), pol.get("cache_aware")
     if rr and ca:
         hr, hc = rr.get("hit_rate"), ca.get("hit_rate")
         out["cache_aware_hit_rate_ge_round_robin_plus_0.15"] = (
             None if hr is None or hc is None else hc >= hr + 0.15
         )
-        tr, tc = rr.get("ttft_p99_s"), ca.get("ttft_p99_s")
-        out["cache_aware_ttft_p99_le_round_robin"] = None if tr is None or tc is None else tc <= tr
+        out["cache_aware_ttft_p99_le_round_robin"] = _le(ca.get("ttft_p99_s"), rr.get("ttft_p99_s"))
+    fo = results.get("failover")
+    if fo:
+        failed, done, cut = (fo.get(k) for k in ("failed_requests", "streams_completed",
+                                                  "streams_interrupted"))  # fmt: skip
+        out["failover_no_failed_requests"] = None if failed is None else failed == 0
+        out["failover_streams_completed_eq_interrupted"] = (
+            None if done is None or not cut else done == cut
+        )
+    warm = results.get("warm_start", {})
+    w, c = warm.get("with"), warm.get("without")
+    if w and c:
+        out["warm_ttft_p99_le_half_cold"] = _le(w.get("ttft_p99_s"), c.get("ttft_p99_s"), 0.5)
+    pd = results.get("pd", {})
     co, p = pd.get("colocated"), pd.get("pd")
     if co and p:
         ic, ip = co.get("itl_p99_s"), p.get("itl_p99_s")
@@ -337,34 +426,56 @@ def checks(policies: dict[str, Any], pd: dict[str, Any]) -> dict[str, bool | Non
     return out
 
 
+RUNNERS = {
+    "policies": run_policies,
+    "failover": run_failover,
+    "warm_start": run_warm_start,
+    "pd": run_pd,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from kvtier.bench.lib.serve_workloads import token_counter
 
+    opts = fleet_options(args)
     count = token_counter(args.tokenizer)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-router-bench-"))
     t0 = time.monotonic()
+    loads = [load_average()[0]]
 
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t0:5.0f} s] {msg}", flush=True)
 
-    policies = {} if args.no_policies else run_policies(args, count, workdir, say)
-    pd = {} if args.no_pd else run_pd(args, count, workdir, say)
-    print(f"\n{(__doc__ or '').splitlines()[0]}")
-    print(report(policies, pd))
-    bars = checks(policies, pd)
-    for name, ok in bars.items():
-        print(f"{name}: {ok}")
+    say(
+        f"{opts.engine} engines, {opts.dtype}, phases {','.join(args.phase_list)}; logs in {workdir}"
+    )
+    results: dict[str, Any] = {}
+    for phase in args.phase_list:
+        results[phase] = RUNNERS[phase](args, opts, count, workdir, say)
+        loads.append(load_average()[0])
+    checked = bars(results)
+    print(f"\n{(__doc__ or '').splitlines()[0]} ({opts.engine}, {opts.dtype})")
+    print(report(results))
+    for name, ok in checked.items():
+        print(f"bar {name}: {ok}")
     print(f"logs in {workdir}")
     emit(
         {
             "bench": "serve_router",
             "quick": args.quick,
-            "policies": policies,
-            "pd": pd,
-            "checks": bars,
+            "engine": opts.engine,
+            "dtype": opts.dtype,
+            "phases": args.phase_list,
+            **results,
+            "bars": checked,
+            "checks": checked,  # the name before issue 21
             "threads_per_engine": args.threads,
             "kv_tokens_per_engine": args.kv_tokens,
+            "g1_tokens_per_engine": opts.g1_tokens(args.kv_tokens),
+            "fleet_kv_tokens_per_engine": args.fleet_kv_tokens,
+            "load_average_1m": {"min": min(loads), "max": max(loads)},
+            "cpu": cpu_flags(),
             "elapsed_s": time.monotonic() - t0,
             "machine": machine(),
         }

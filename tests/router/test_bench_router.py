@@ -1,29 +1,77 @@
-"""``bench/serve_router.py``: its bars and its long-prompt workload (no servers started)."""
+"""``bench/serve_router.py``: its bars, budgets, workloads and JSON line (no servers started)."""
 
 from __future__ import annotations
 
-from bench import serve_router
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.bench import serve_router
+from kvtier.bench.lib.router_fleet import FleetOptions, kvtier_server, vllm_server
 
 
 def _run(hit: float | None, ttft_p99: float, itl_p99: float) -> dict[str, float | None]:
     return {"hit_rate": hit, "ttft_p99_s": ttft_p99, "itl_p99_s": itl_p99}
 
 
-def test_the_bars_compare_cache_aware_with_round_robin_and_pd_with_colocated() -> None:
-    policies = {"round_robin": _run(0.40, 2.0, 0.1), "cache_aware": _run(0.60, 1.5, 0.1)}
-    pd = {"colocated": _run(None, 3.0, 1.2), "pd": _run(None, 3.5, 0.2)}
-    assert serve_router.checks(policies, pd) == {
+def _failover(interrupted: int, completed: int, failed: int) -> dict[str, Any]:
+    return {
+        "streams_interrupted": interrupted,
+        "streams_completed": completed,
+        "failed_requests": failed,
+        "tokens_loaded_from_tier": 900,
+        "tokens_recomputed": 40,
+    }
+
+
+def test_the_bars_compare_each_phase_with_its_baseline() -> None:
+    results: dict[str, Any] = {
+        "policies": {"round_robin": _run(0.40, 2.0, 0.1), "cache_aware": _run(0.60, 1.5, 0.1)},
+        "failover": _failover(2, 2, 0),
+        "warm_start": {"with": _run(None, 1.0, 0.1), "without": _run(None, 2.5, 0.1)},
+        "pd": {"colocated": _run(None, 3.0, 1.2), "pd": _run(None, 3.5, 0.2)},
+    }
+    assert serve_router.bars(results) == {
         "cache_aware_hit_rate_ge_round_robin_plus_0.15": True,
         "cache_aware_ttft_p99_le_round_robin": True,
+        "failover_no_failed_requests": True,
+        "failover_streams_completed_eq_interrupted": True,
+        "warm_ttft_p99_le_half_cold": True,
         "pd_itl_p99_lt_colocated": True,
     }
-    policies["cache_aware"] = _run(0.50, 2.5, 0.1)
-    pd["pd"] = _run(None, 3.5, 1.3)
-    assert set(serve_router.checks(policies, pd).values()) == {False}
-    policies["round_robin"] = _run(None, 2.0, 0.1)
-    assert (
-        serve_router.checks(policies, {})["cache_aware_hit_rate_ge_round_robin_plus_0.15"] is None
-    )
+    results["policies"]["cache_aware"] = _run(0.50, 2.5, 0.1)
+    results["failover"] = _failover(2, 1, 1)
+    results["warm_start"]["with"] = _run(None, 1.3, 0.1)
+    results["pd"]["pd"] = _run(None, 3.5, 1.3)
+    assert set(serve_router.bars(results).values()) == {False}
+    # a missing figure, and a failover that interrupted nothing, prove nothing
+    results = {"policies": {"round_robin": _run(None, 2.0, 0.1), "cache_aware": _run(0.6, 1, 0)}}
+    results["failover"] = _failover(0, 0, 0)
+    out = serve_router.bars(results)
+    assert out["cache_aware_hit_rate_ge_round_robin_plus_0.15"] is None
+    assert out["failover_streams_completed_eq_interrupted"] is None
+    assert out["failover_no_failed_requests"] is True
+
+
+def test_budgets_are_tokens_converted_at_each_engines_dtype(tmp_path: Path) -> None:
+    def memory(dtype: str) -> int:
+        server = kvtier_server(FleetOptions("kvtier", dtype), tmp_path, "e", 3600)
+        assert server.cmd[server.cmd.index("--dtype") + 1] == dtype
+        return int(server.cmd[server.cmd.index("--kv-cache-memory") + 1])
+
+    assert memory("bfloat16") == 3600 * 23_040  # SmolLM2: 30 x 2 x 3 x 64 x 2 bytes
+    assert memory("float32") == 2 * memory("bfloat16")  # the same tokens, not the same bytes
+    vllm = FleetOptions("vllm", "float32")
+    assert vllm.g1_tokens(3600) == 3584  # whole 128-token blocks
+    server, events = vllm_server(vllm, tmp_path, "v", 3600, model_dir=tmp_path)
+    cmd = server.command(Path("python"))
+    assert cmd[cmd.index("--num-gpu-blocks-override") + 1] == "28"
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    assert events["endpoint"].startswith("ipc://")  # vLLM binds it; nothing listens on TCP
+    with pytest.raises(ValueError):
+        FleetOptions("kvtier", "float32").g1_tokens(16)
 
 
 def test_long_prompts_are_unique_documents_of_the_asked_length() -> None:
@@ -36,3 +84,37 @@ def test_long_prompts_are_unique_documents_of_the_asked_length() -> None:
     assert len(set(texts)) == 4
     arrivals = [lane.arrivals[0] for lane in w.lanes]
     assert arrivals == sorted(arrivals)
+
+
+def test_phases_default_by_engine_and_refuse_pd_with_vllm() -> None:
+    assert serve_router.parse_args([]).phase_list == list(serve_router.PHASES)
+    assert "pd" not in serve_router.parse_args(["--engine", "vllm"]).phase_list
+    with pytest.raises(SystemExit):
+        serve_router.parse_args(["--engine", "vllm", "--phases", "pd"])
+    with pytest.raises(SystemExit):
+        serve_router.parse_args(["--phases", "policies,bogus"])
+
+
+def test_the_last_line_is_json_with_every_phase_and_the_bars(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    canned = {
+        "policies": {"round_robin": _run(0.3, 2.0, 0.1), "cache_aware": _run(0.7, 1.0, 0.1)},
+        "failover": _failover(3, 3, 0),
+        "warm_start": {"with": _run(None, 0.4, 0.1), "without": _run(None, 1.0, 0.1)},
+    }
+    for phase, value in canned.items():
+        monkeypatch.setitem(serve_router.RUNNERS, phase, lambda *a, _v=value: _v)
+    monkeypatch.setattr("kvtier.bench.lib.serve_workloads.token_counter", lambda name: len)
+    monkeypatch.setattr(serve_router, "machine", lambda: {})
+    monkeypatch.setattr(serve_router.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    serve_router.main(["--quick", "--engine", "vllm", "--dtype", "float32"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["engine"] == "vllm" and last["dtype"] == "float32"
+    assert last["g1_tokens_per_engine"] == 3584
+    for policy in ("round_robin", "cache_aware"):
+        assert {"hit_rate", "ttft_p99_s"} <= last["policies"][policy].keys()
+    assert set(serve_router.bars(canned)) == set(last["bars"])
+    assert all(last["bars"].values())
+    assert last["failover"]["streams_completed"] == 3
+    assert {"with", "without"} == set(last["warm_start"])
