@@ -85,7 +85,9 @@ class RouterState:
             on_down=self._engine_down,
             signals=self.signals,
         )
-        weights = Weights(c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance)
+        weights = Weights(
+            c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance, c.decode_step_tokens
+        )
         self.proxy = Proxy(c, self.pool, Router(c.policy, weights), self.index, self.follower,
                            self.tokenizer, self.client, self.metrics)  # fmt: skip
         self.warmer = Warmer(self.pool, self.proxy.hot, self.client, self.warm_metrics,

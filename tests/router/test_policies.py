@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvtier.keys import CacheNamespace
-from kvtier.router.config import EngineSpec
+from kvtier.router.config import EngineSpec, RouterConfig, RouterConfigError
 from kvtier.router.engines import Engine, EnginePool, parse_kv_capacity, parse_load
 from kvtier.router.index import PrefixIndex, prompt_keys
 from kvtier.router.metrics import RouterMetrics
@@ -220,3 +220,16 @@ def test_the_pool_counts_reservations_until_each_request_ends() -> None:
     assert e.reservations == [a] and e.reservations[0] is a
     pool.end(e, a)
     assert e.reservations == [] and e.in_flight == 0
+
+
+def test_decode_step_tokens_zero_leaves_memory_unweighed() -> None:
+    es = engines(2)
+    for e in es:
+        e.kv_capacity_tokens = 2400
+    es[0].in_flight, es[0].reservations = 1, [Reservation(1400, 64)]
+    d = Router("cache_aware", Weights(decode_step_tokens=0)).pick(
+        [Candidate(es[0], 1000), Candidate(es[1], 0)], 1200, answer_tokens=16
+    )
+    assert d.engine is es[0] and d.g1_tokens == 1000  # as before issue 21
+    with pytest.raises(RouterConfigError):
+        RouterConfig(engines=(EngineSpec("http://e0"),), decode_step_tokens=-1)
