@@ -118,8 +118,10 @@ def plot_scaling(summary: dict[str, Any], out: Path) -> Path:
         r = sc[kind]
         tl, knob = r["timeline"], next(k for k in r if k.endswith("utilization"))
         label = f"{kind} ({knob} {r[knob]:g})"
-        ax_n.step(tl["t"], tl["provisioned"], where="post", color=color, label=label)
-        ax_n.step(tl["t"], tl["ready"], where="post", color=color, ls=":", alpha=0.7)
+        n0 = sc["config"]["autoscaler"]["initial_replicas"]  # the fleet before the first sync
+        ts = [0.0, *tl["t"]]
+        ax_n.step(ts, [n0, *tl["provisioned"]], where="post", color=color, label=label)
+        ax_n.step(ts, [n0, *tl["ready"]], where="post", color=color, ls=":", alpha=0.7)
         b = r["ttft_p99_by_arrival"]
         ax_t.plot(b["t"], b["p99_s"], color=color, marker=".", label=kind)
         pts = sc["sweep"][kind]

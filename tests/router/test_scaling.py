@@ -145,3 +145,53 @@ def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
         ] == pytest.approx(0.3)
         assert samples[("kvtier_router_engine_prefill_capacity_tokens_per_second",
                         (("engine", f.url),))] > 0  # fmt: skip
+
+
+def test_only_successful_first_bytes_are_ttft_samples() -> None:
+    """The middleware times a request's first byte to the client; errors are no samples."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.scaling_report import RouterSignals, SignalsMiddleware
+
+    url = "http://127.0.0.1:1"
+    now = [100.0]
+    signals = RouterSignals(
+        RouterConfig(engines=(EngineSpec(url),)),
+        RouterMetrics(CollectorRegistry()),
+        clock=lambda: now[0],
+    )
+
+    def engine_app(status: int) -> Any:
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            signals.begin(url, 500)  # what EnginePool.begin / first_byte do in the proxy
+            now[0] += 0.5
+            signals.first_byte(url)
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b"data", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return app
+
+    async def call(status: int, method: str = "POST") -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: Any) -> None:
+            pass
+
+        scope = {"type": "http", "method": method, "path": "/v1/completions"}
+        await SignalsMiddleware(engine_app(status), signals)(scope, receive, send)
+
+    asyncio.run(call(502))
+    asyncio.run(call(200))
+    asyncio.run(call(200, method="GET"))  # not a generation request: not timed
+    report = signals.report([])
+    assert report["fleet"]["ttft_samples"] == 1
+    assert report["fleet"]["ttft_p50_s"] == pytest.approx(0.5)
+    assert report["fleet"]["queue_depth"] == 0  # every attempt's prefill ended
+    assert report["fleet"]["demand_tokens_per_s"] > 0
+    signals.begin(url, 500)  # outside a request: not tracked
+    assert signals.report([])["fleet"]["queue_depth"] == 0
