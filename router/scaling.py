@@ -34,7 +34,8 @@ keep multiplying the fleet while new replicas start.
 Without a measurement (no request answered yet, no KV usage) the count holds
 at ``current``.
 Scale-down damping (stabilisation) is the autoscaler's job (HPA's
-``behavior.scaleDown.stabilizationWindowSeconds``, KEDA's ``cooldownPeriod``).
+``behavior.scaleDown.stabilizationWindowSeconds``; KEDA passes it on through
+``advanced.horizontalPodAutoscalerConfig``).
 """
 
 from __future__ import annotations
