@@ -20,7 +20,9 @@ one seed per run, for every G1 size and engine speed given:
   host, 6-10 the bench's engines on a busy 2-vCPU host.
 * Policies: ``round_robin``; ``cache_aware`` as shipped; and
   ``cache_aware_no_memory`` — the same without the G1-memory terms
-  (``decode_step_tokens=0``: the policy before issue 21).
+  (``memory_wait_tokens=0``: the policy before issue 21);
+  ``cache_aware_wait160`` — waiting priced at a decode step's full compute
+  (~170 prompt tokens on this profile) instead of the shipped 16.
 
 Per (G1, speed, policy): the mean over seeds of the G1 hit rate and of the
 TTFT p50 / p99 of each run, how often a run's p99 was no higher than round
@@ -52,7 +54,8 @@ from kvtier.router.policy import Weights
 POLICIES: dict[str, tuple[str, Weights]] = {
     "round_robin": ("round_robin", Weights()),
     "cache_aware": ("cache_aware", Weights()),
-    "cache_aware_no_memory": ("cache_aware", Weights(decode_step_tokens=0)),
+    "cache_aware_no_memory": ("cache_aware", Weights(memory_wait_tokens=0)),
+    "cache_aware_wait160": ("cache_aware", Weights(memory_wait_tokens=160)),
 }
 
 

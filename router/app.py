@@ -86,7 +86,7 @@ class RouterState:
             signals=self.signals,
         )
         weights = Weights(
-            c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance, c.decode_step_tokens
+            c.decode_cost_tokens, c.shared_hit_weight, c.max_imbalance, c.memory_wait_tokens
         )
         self.proxy = Proxy(c, self.pool, Router(c.policy, weights), self.index, self.follower,
                            self.tokenizer, self.client, self.metrics)  # fmt: skip

@@ -43,9 +43,9 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
               help="cache_aware: a request in flight costs as much as this many prompt tokens.")  # fmt: skip
 @click.option("--max-imbalance", type=click.IntRange(min=0), default=4, show_default=True,
               help="cache_aware: never pick an engine this many requests busier than the idlest.")  # fmt: skip
-@click.option("--decode-step-tokens", type=click.IntRange(min=0), default=160, show_default=True,
-              help="cache_aware: one decode step costs as much as this many prompt tokens "
-              "(what waiting for a full G1 costs; 0: G1 memory not weighed).")  # fmt: skip
+@click.option("--memory-wait-tokens", type=click.IntRange(min=0), default=16, show_default=True,
+              help="cache_aware: an answer token a request waits for (G1 full) costs this many "
+              "prompt tokens (0: G1 memory not weighed).")  # fmt: skip
 @click.option("--no-kv-events", is_flag=True, help="Do not follow the engines' /kv_events.")
 @click.option("--vllm-kv-events", "vllm_kv_events", multiple=True,
               metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,namespace=FILE]",
@@ -116,7 +116,7 @@ def router(**kw: Any) -> None:
             max_attempts=kw["max_attempts"],
             decode_cost_tokens=kw["decode_cost_tokens"],
             max_imbalance=kw["max_imbalance"],
-            decode_step_tokens=kw["decode_step_tokens"],
+            memory_wait_tokens=kw["memory_wait_tokens"],
             kv_events=not kw["no_kv_events"],
             vllm_events=tuple(VllmEventSource.parse(v) for v in kw["vllm_kv_events"]),
             tier_events=kw["tier_events"],

@@ -133,9 +133,9 @@ class RouterConfig:
             engine loads it) is worth this fraction of the same prefix in G1.
         max_imbalance: ``cache_aware``: an engine with this many more requests
             in flight than the least loaded is never picked for its cache.
-        decode_step_tokens: ``cache_aware``: one decode step costs as much as
-            this many prompt tokens to compute (prices the answers a request
-            waits for when its engine's G1 is full; 0: G1 memory not weighed).
+        memory_wait_tokens: ``cache_aware``: each answer token a request must
+            wait for (its engine's G1 being full) costs as much as this many
+            prompt tokens (``policy.py``; 0: G1 memory not weighed).
         max_saved_keys: Shared-tier keys remembered (oldest forgotten).
         signals_window_s: Sliding window of the scaling signals (TTFT percentiles,
             prefill demand and capacity; ``docs/fleet.md``).
@@ -180,7 +180,7 @@ class RouterConfig:
     decode_cost_tokens: int = 256
     shared_hit_weight: float = 0.8
     max_imbalance: int = 4
-    decode_step_tokens: int = 160
+    memory_wait_tokens: int = 16
     max_saved_keys: int = 1_000_000
     signals_window_s: float = 30.0
     ttft_target_s: float = 2.0
@@ -230,8 +230,8 @@ class RouterConfig:
             raise RouterConfigError(
                 "max_attempts >= 1, max_imbalance >= 0, decode_cost_tokens >= 0"
             )
-        if self.decode_step_tokens < 0:
-            raise RouterConfigError(f"decode_step_tokens >= 0, got {self.decode_step_tokens}")
+        if self.memory_wait_tokens < 0:
+            raise RouterConfigError(f"memory_wait_tokens >= 0, got {self.memory_wait_tokens}")
         if not 0.0 <= self.shared_hit_weight <= 1.0:
             raise RouterConfigError(
                 f"shared_hit_weight must be in [0, 1], got {self.shared_hit_weight}"

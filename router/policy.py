@@ -19,17 +19,28 @@
   blocks for the whole prompt (the bundled engine; vLLM preempts instead,
   which costs as much). When the requests in flight there already reserve
   so much that this one does not fit, it waits until the oldest of them
-  have *finished* (not merely started answering): the answers they still
-  have to generate, at ``decode_step_tokens`` per token, oldest first until
-  enough memory is freed. Meanwhile the requests admitted before it evict
-  the least recently used blocks, so the G1 prefix found there may be gone
-  when its turn comes: under memory pressure a G1 hit is only counted up
-  to what the requests before it and itself leave of G1 after writing what
-  they do not find there (``memory_wait``'s ``room``). Without
-  this, on engines whose G1 holds one or two conversations, a request
-  chased a prefix onto an engine that could not even admit it, queued
-  behind whole answers and often found its prefix evicted
-  (``bench/router_sim.py`` measures it).
+  have *finished* (not merely started answering). Meanwhile the requests
+  admitted before it evict the least recently used blocks, so the G1 prefix
+  found there may be gone when its turn comes: under memory pressure a G1
+  hit is only counted up to what the requests before it and itself leave
+  of G1 after writing what they do not find there (``memory_wait``'s
+  ``room``), and the answers it waits for add ``memory_wait_tokens`` per
+  token. Without this, on engines whose G1 holds one or two conversations,
+  a request chased a prefix onto an engine that could not even admit it,
+  queued behind whole answers and often found its prefix evicted.
+
+  NOTE: ``memory_wait_tokens`` is 16 although one decode step costs about
+  170 prompt tokens of compute (the CPU profile of ``bench/fleet``): the
+  engine computes for others while a request waits, and a request sent
+  away from its prefix costs its user's later rounds their hits, which the
+  cost does not see. ``bench/router_sim.py`` (the router bench's workload on
+  simulated engines, G1 1,800-8,000 tokens, two loads, 100 seeds) found 10-20
+  best; the full 160 gave up hits on a busy fleet. Against the cost without
+  these terms, TTFT p99 was no higher than round robin's in more of the runs
+  in 6 of the 10 cells (1,800 tokens: 86-96 % of the runs against 24-45 %),
+  as often in 3, less often in 1 (3,000 tokens, busy: 60 % against 70 %);
+  hit rates within 0.02, but 0.03-0.05 lower at 1,800 tokens, where the
+  prefixes it no longer chases did not survive anyway (bench/RESULTS.md).
 
 The policy sees an engine only through :class:`Routable` (its load and its
 queued prefill), so the fleet simulation (``bench/fleet/router.py``) runs
@@ -128,7 +139,7 @@ class Weights:
     decode_cost_tokens: int = 256
     shared_hit_weight: float = 0.8
     max_imbalance: int = 4
-    decode_step_tokens: int = 160
+    memory_wait_tokens: int = 16
 
 
 class Router:
@@ -215,14 +226,14 @@ class _Score(Generic[E]):
     memory_wait: int
 
 
-def memory_wait(engine: Routable, need: int, new: int, decode_step_tokens: int) -> tuple[int, int]:
+def memory_wait(engine: Routable, need: int, new: int, memory_wait_tokens: int) -> tuple[int, int]:
     """What waiting for G1 memory on ``engine`` costs a request.
 
     Args:
         engine: The engine.
         need: Tokens of G1 the request pins (prompt + answer).
         new: Of those, the tokens not already in G1 there.
-        decode_step_tokens: ``Weights.decode_step_tokens``.
+        memory_wait_tokens: ``Weights.memory_wait_tokens``.
 
     Returns:
         ``(wait, room)``: the answers of the oldest requests in flight that
@@ -242,7 +253,7 @@ def memory_wait(engine: Routable, need: int, new: int, decode_step_tokens: int) 
         return 0, room
     short, wait = need - free, 0
     for r in held:  # oldest first: they were admitted first and finish first
-        wait += r.answer_tokens * decode_step_tokens
+        wait += r.answer_tokens * memory_wait_tokens
         short -= r.kv_tokens
         if short <= 0:
             break
@@ -252,7 +263,7 @@ def memory_wait(engine: Routable, need: int, new: int, decode_step_tokens: int) 
 def _score(c: Candidate[E], prompt_tokens: int, need: int, w: Weights) -> _Score[E]:
     e = c.engine
     new = need - max(c.g1_tokens, int(w.shared_hit_weight * c.shared_tokens))
-    wait, room = memory_wait(e, need, new, w.decode_step_tokens)
+    wait, room = memory_wait(e, need, new, w.memory_wait_tokens)
     g1 = c.g1_tokens if not wait else min(c.g1_tokens, room)
     hit = max(g1, int(w.shared_hit_weight * c.shared_tokens))
     cost = (

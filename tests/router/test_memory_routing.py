@@ -20,14 +20,14 @@ from tests.router.test_routing import (
     wait_for,
 )
 
-ANSWER = 8
+ANSWER = 64
 
 
 def test_a_prefix_is_not_followed_onto_an_engine_with_no_g1_room(tokenizer: Tokenizer) -> None:  # noqa: F811
     # b holds the prompt's prefix; a holds nothing; each G1 has room for one such request
     a = FakeEngine("a", namespace=NS)
     b = FakeEngine("b", namespace=NS, first_byte_delay_s=2.0)
-    # ~600 tokens: computing them on a costs less than waiting for b's answer (8 x 160)
+    # ~600 tokens: computing them on a costs less than waiting for b's answer (64 x 16)
     doc = "the cache holds the prefix of this long document " * 18
     body = chat_body(doc + "question one", stream=True, max_tokens=ANSWER)
     ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)

@@ -222,14 +222,14 @@ def test_the_pool_counts_reservations_until_each_request_ends() -> None:
     assert e.reservations == [] and e.in_flight == 0
 
 
-def test_decode_step_tokens_zero_leaves_memory_unweighed() -> None:
+def test_memory_wait_tokens_zero_leaves_memory_unweighed() -> None:
     es = engines(2)
     for e in es:
         e.kv_capacity_tokens = 2400
     es[0].in_flight, es[0].reservations = 1, [Reservation(1400, 64)]
-    d = Router("cache_aware", Weights(decode_step_tokens=0)).pick(
+    d = Router("cache_aware", Weights(memory_wait_tokens=0)).pick(
         [Candidate(es[0], 1000), Candidate(es[1], 0)], 1200, answer_tokens=16
     )
     assert d.engine is es[0] and d.g1_tokens == 1000  # as before issue 21
     with pytest.raises(RouterConfigError):
-        RouterConfig(engines=(EngineSpec("http://e0"),), decode_step_tokens=-1)
+        RouterConfig(engines=(EngineSpec("http://e0"),), memory_wait_tokens=-1)
