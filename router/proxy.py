@@ -298,6 +298,7 @@ class Proxy:
     ) -> Response:
         tried: set[str] = set()
         last_error: Response | None = None
+        reissue = False  # the last attempt was lost while its engine answered
         for attempt in range(self.config.max_attempts):
             engines = [e for e in self.pool.serving(roles) if e.url not in tried]
             if not engines:
@@ -312,6 +313,8 @@ class Proxy:
             self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
             if attempt:
                 self.metrics.retries.inc()
+            if reissue:
+                self.failover_metrics.requests_reissued.inc()
             engine = decision.engine
             tried.add(engine.url)
             pending = max(0, prompt.num_tokens - decision.hit_tokens)
@@ -334,6 +337,7 @@ class Proxy:
                     outcome.headers[k] = v
                 return outcome
             last_error = outcome.response
+            reissue = outcome.answering and leg != "prefill"
         self.metrics.requests.labels("none", "error").inc()
         if leg != "prefill":  # a failed prefill leg is a miss: the decode engine computes it
             self.failover_metrics.failed_requests.inc()
@@ -373,13 +377,18 @@ class Proxy:
             req = self.client.build_request(
                 "POST", engine.url + path, content=payload, headers=headers
             )
+            watch = (engine, self.config.stall_timeout_s) if self.config.failover else None
             try:
-                resp = await _unless_disconnected(request, self.client.send(req, stream=True))
+                # NOTE: a non-streamed answer's head comes with its end: the wait is the answer
+                sent = self.client.send(req, stream=True)
+                resp = await _unless_disconnected(request, sent, watch)
             except _ClientGone:
                 end("client_closed")
                 return Response(status_code=499)
-            except httpx.HTTPError as e:
-                return self._failed(engine, e, end)
+            except (httpx.HTTPError, _EngineLost) as e:
+                failed = self._lost(engine, e, end)
+                connect = isinstance(e, httpx.ConnectError)
+                return failed if stream or connect else dataclasses.replace(failed, answering=True)
             if resp.status_code in RETRY_STATUSES:
                 data = await _read_quietly(resp)
                 metrics.upstream_errors.labels(engine.url, "status").inc()
@@ -414,21 +423,12 @@ class Proxy:
                     relay, 200, {"cache-control": "no-cache", "x-accel-buffering": "no"}, ctype
                 )
             try:
-                watch = (engine, self.config.stall_timeout_s) if self.config.failover else None
                 data = await _unless_disconnected(request, _read_body(resp), watch)
             except _ClientGone:
                 end("client_closed")
                 return Response(status_code=499)
             except (httpx.HTTPError, _EngineLost) as e:
-                if self.config.failover and leg != "prefill":
-                    self.failover_metrics.requests_reissued.inc()
-                if isinstance(e, _EngineLost):
-                    self.metrics.upstream_errors.labels(engine.url, "timeout").inc()
-                    end("error")
-                    return _Failed(
-                        error_response(502, f"engine {engine.url} stalled", "upstream_error")
-                    )
-                return self._failed(engine, e, end)
+                return dataclasses.replace(self._lost(engine, e, end), answering=True)
             elapsed = time.perf_counter() - started
             metrics.legs.labels(leg).observe(elapsed)
             if leg != "prefill":
@@ -438,6 +438,18 @@ class Proxy:
         except BaseException:
             end("error")
             raise
+
+    def _lost(
+        self, engine: Engine, e: httpx.HTTPError | _EngineLost, end: Callable[[str], None]
+    ) -> _Failed:
+        """An engine failed (``_failed``) or stayed out of the pool (``_EngineLost``)."""
+        if isinstance(e, httpx.HTTPError):
+            return self._failed(engine, e, end)
+        self.metrics.upstream_errors.labels(engine.url, "timeout").inc()
+        end("error")
+        log.warning("engine %s was out for %.1f s while answering; trying another", engine.url,
+                    self.config.stall_timeout_s)  # fmt: skip
+        return _Failed(error_response(502, f"engine {engine.url} stalled", "upstream_error"))
 
     def _failed(self, engine: Engine, e: httpx.HTTPError, end: Callable[[str], None]) -> _Failed:
         kind = (
@@ -493,9 +505,11 @@ class Proxy:
 
 @dataclass(frozen=True)
 class _Failed:
-    """An attempt that may be retried; ``response`` is what the client gets if none succeeds."""
+    """An attempt that may be retried; ``response`` is what the client gets if none succeeds;
+    ``answering``: the engine had the request and was lost while answering it."""
 
     response: Response
+    answering: bool = False
 
 
 async def _read_quietly(resp: httpx.Response) -> bytes:

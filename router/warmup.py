@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,19 +41,23 @@ from kvtier.router.engines import Engine, EnginePool
 log = logging.getLogger(__name__)
 
 MIN_PREFIX_TOKENS = 16  # shorter hits are not worth a warm-up request
-MAX_PREFIX_TOKENS = 32_768  # a longer prefix is kept to this many tokens
+MAX_PREFIX_TOKENS = 8192  # a longer prefix is kept to this many tokens
+MAX_TOTAL_TOKENS = 2_000_000  # tokens of every prefix kept, at most (4 bytes each)
 WARM_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _POLL_S = 0.05
 
 
 @dataclass
 class _Hot:
-    ids: tuple[int, ...]
+    tokens: int
     hits: int = 0
 
 
 class HotPrefixes:
     """Hit counts of prompt prefixes, bounded (not thread-safe: the router's loop).
+
+    A prefix is kept as its ids packed 4 bytes each (the dict key), so the
+    memory is bounded by ``capacity`` prefixes and ``MAX_TOTAL_TOKENS``.
 
     Args:
         capacity: Prefixes remembered; the least recently hit are forgotten.
@@ -60,7 +65,8 @@ class HotPrefixes:
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._hot: OrderedDict[tuple[int, ...], _Hot] = OrderedDict()
+        self._hot: OrderedDict[bytes, _Hot] = OrderedDict()
+        self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._hot)
@@ -70,31 +76,33 @@ class HotPrefixes:
         n = min(hit_tokens, len(ids), MAX_PREFIX_TOKENS)
         if n < MIN_PREFIX_TOKENS:
             return
-        key = tuple(ids[:n])
+        key = array("I", ids[:n]).tobytes()
         entry = self._hot.get(key)
         if entry is None:
-            entry = self._hot[key] = _Hot(key)
+            entry = self._hot[key] = _Hot(n)
+            self._tokens += n
         entry.hits += 1
         self._hot.move_to_end(key)
-        while len(self._hot) > self._capacity:
-            self._hot.popitem(last=False)
+        while len(self._hot) > self._capacity or self._tokens > MAX_TOTAL_TOKENS:
+            _, old = self._hot.popitem(last=False)
+            self._tokens -= old.tokens
 
     def hottest(self, budget_tokens: int | None, max_prefixes: int) -> list[list[int]]:
         """The prefixes worth most (hits x length) within a token budget (None: no budget);
         a prefix another chosen one starts with is left out (it comes with it)."""
-        ranked = sorted(self._hot.values(), key=lambda h: (h.hits * len(h.ids), len(h.ids)))
-        chosen: list[tuple[int, ...]] = []
+        ranked = sorted(self._hot.items(), key=lambda kv: (kv[1].hits * kv[1].tokens, kv[1].tokens))
+        chosen: list[bytes] = []
         used = 0
-        for h in reversed(ranked):
+        for key, h in reversed(ranked):
             if len(chosen) >= max_prefixes:
                 break
-            if any(c[: len(h.ids)] == h.ids for c in chosen):
+            if any(c.startswith(key) for c in chosen):
                 continue
-            if budget_tokens is not None and used + len(h.ids) > budget_tokens:
+            if budget_tokens is not None and used + h.tokens > budget_tokens:
                 continue
-            chosen.append(h.ids)
-            used += len(h.ids)
-        return [list(c) for c in chosen]
+            chosen.append(key)
+            used += h.tokens
+        return [array("I", c).tolist() for c in chosen]
 
 
 class WarmMetrics:
