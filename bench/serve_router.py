@@ -59,6 +59,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvtier.bench.lib.common import emit, load_average, machine, table
 from kvtier.bench.lib.router_fleet import (
     EngineProcess,
@@ -71,6 +73,7 @@ from kvtier.bench.lib.serve_calibrate import cpu_flags, host_fastest_dtype
 from kvtier.bench.lib.serve_client import Limits, run_workload, warm_up
 from kvtier.bench.lib.serve_metrics import Samples, delta, run_metrics, scrape
 from kvtier.bench.lib.serve_stats import summarize
+from kvtier.bench.lib.serve_systems import SystemStartError
 from kvtier.bench.lib.serve_workloads import (
     Lane,
     MultiRoundConfig,
@@ -452,7 +455,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     results: dict[str, Any] = {}
     for phase in args.phase_list:
-        results[phase] = RUNNERS[phase](args, opts, count, workdir, say)
+        try:
+            results[phase] = RUNNERS[phase](args, opts, count, workdir, say)
+        except (RuntimeError, OSError, httpx.HTTPError, TimeoutError, SystemStartError) as e:
+            # NOTE: a phase that cannot run (an engine that did not start, a router
+            # that refused) is reported, and the other phases still run
+            say(f"{phase} failed: {type(e).__name__}: {e}")
+            results[phase] = {"error": f"{type(e).__name__}: {e}"}
         loads.append(load_average()[0])
     checked = bars(results)
     print(f"\n{(__doc__ or '').splitlines()[0]} ({opts.engine}, {opts.dtype})")
