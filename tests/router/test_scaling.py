@@ -195,3 +195,30 @@ def test_only_successful_first_bytes_are_ttft_samples() -> None:
     assert report["fleet"]["demand_tokens_per_s"] > 0
     signals.begin(url, 500)  # outside a request: not tracked
     assert signals.report([])["fleet"]["queue_depth"] == 0
+
+
+def test_the_bundled_engines_metrics_give_every_engine_figure(tiny_model: Path) -> None:
+    """What a real ``kvtier engine serve`` exports is what ``parse_engine_stats`` reads."""
+    from kvtier.router.engine_stats import CounterWindow, parse_engine_stats
+    from tests.engine.test_server import start_stack
+
+    stack = start_stack(tiny_model)
+    try:
+        before = parse_engine_stats(stack.client.get("/metrics").text)
+        prompt = "the same long prompt, twice over: " * 6
+        for _ in range(2):  # the second finds the first's blocks in G1
+            body = {"prompt": prompt, "max_tokens": 2}
+            assert stack.client.post("/v1/completions", json=body).status_code == 200
+        after = parse_engine_stats(stack.client.get("/metrics").text)
+    finally:
+        stack.close()
+    assert before is not None and after is not None
+    assert after.waiting == 0 and after.running == 0
+    assert after.kv_usage is not None and 0.0 <= after.kv_usage <= 1.0
+    assert set(after.counters) == {"prefix_hits", "prefix_queries", "shared_hits"}
+    window = CounterWindow(60.0)
+    window.add(0.0, before.counters)
+    window.add(1.0, after.counters)
+    g1 = window.ratio(1.0, "prefix_hits", "prefix_queries")
+    assert g1 is not None and 0.2 < g1 < 1.0  # the second request's prefix hit
+    assert window.ratio(1.0, "shared_hits", "prefix_queries") == 0.0  # no connector
