@@ -165,8 +165,10 @@ class StreamFailover:
         resp: httpx.Response,
         end: Callable[[str], None],
         headers: dict[str, str],
+        on_done: Callable[[], None] | None = None,
     ) -> AsyncIterator[bytes]:
-        """What the client gets: the first engine's chunks, then its continuations."""
+        """What the client gets: the first engine's chunks, then its continuations
+        (``on_done`` is called when the stream is over, however it ended)."""
         current: tuple[httpx.Response, Callable[[str], None]] | None = (resp, end)
         try:
             leg = _Leg()
@@ -226,6 +228,8 @@ class StreamFailover:
                 # the client went away (or an error): the engine's request is aborted
                 await _close(current[0])
                 current[1]("client_closed")
+            if on_done is not None:
+                on_done()
 
     # ---- one engine's part ---------------------------------------------------------------------
 

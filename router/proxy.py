@@ -413,11 +413,13 @@ class Proxy:
                 metrics.legs.labels(f"{leg}_first_byte" if leg != "prefill" else leg).observe(
                     time.perf_counter() - started
                 )
-                relay = (
-                    self.failover.relay(transcript, engine, first, chunks, resp, end, headers)
-                    if transcript is not None and self.failover is not None
-                    else self._relay(engine, first, chunks, resp, end, leg, started)
-                )
+                if transcript is not None and self.failover is not None:
+                    relay = self.failover.relay(
+                        transcript, engine, first, chunks, resp, end, headers,
+                        lambda: metrics.legs.labels(leg).observe(time.perf_counter() - started),
+                    )  # fmt: skip
+                else:
+                    relay = self._relay(engine, first, chunks, resp, end, leg, started)
                 ctype = resp.headers.get("content-type", "text/event-stream")
                 return RelayResponse(
                     relay, 200, {"cache-control": "no-cache", "x-accel-buffering": "no"}, ctype
