@@ -111,3 +111,25 @@ def test_what_cannot_be_continued() -> None:
     assert (
         continuable("/v1/completions", {"stream": True, "prompt": ["a", "b"]}) == "several prompts"
     )
+
+
+def test_a_client_that_asked_for_token_ids_gets_every_id_once(tiny_model: Path) -> None:
+    tok = load_tokenizer(tiny_model)
+    prompt = tok.encode("Say it: ")
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    k = len(ids) // 2
+    body = {"prompt": prompt, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    t = Transcript("/v1/completions", body, prompt)
+    got: list[int] = []
+    for e in engine_events(tok, prompt, ids[:k], [], final=False):
+        out = t.relayed(e)
+        assert out is not None
+        got += out["choices"][0]["token_ids"]
+    t.start_rendering(tok)
+    for e in engine_events(tok, prompt + ids[:k], ids[k:], [], final=True):
+        for out in t.continued(e):
+            got += out["choices"][0].get("token_ids", [])
+    assert got == ids
+    usage = t.usage_chunk()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), len(ids))
