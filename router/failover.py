@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POLL_S = 0.25
+_BUSY_RETRIES = 20  # continuations refused with 429 (every engine busy), retried after a pause
+_BUSY_PAUSE_S = (0.1, 1.0)  # first pause, longest pause
 
 # (prompt ids, engines not to use) -> the engine picked for a continuation, or None
 Picker = Callable[[list[int], set[str]], Awaitable[Decision[Engine] | None]]
@@ -192,13 +194,19 @@ class StreamFailover:
                 log.warning(
                     "engine %s sent no token ids: its stream cannot be continued", engine.url
                 )
-            for _ in range(self.config.max_failovers if not t.ids_missing else 0):
+            losses, busy = 0, 0
+            while losses < (self.config.max_failovers if not t.ids_missing else 0):
                 cont = await self._start(t, failed, headers)
                 if cont == "finished":
                     for event in t.finish_here("length"):
                         yield sse(event)
                     break
+                if cont == "busy" and busy < _BUSY_RETRIES:
+                    busy += 1
+                    await asyncio.sleep(min(_BUSY_PAUSE_S[1], _BUSY_PAUSE_S[0] * 2 ** (busy - 1)))
+                    continue
                 if not isinstance(cont, _Started):
+                    losses += 1
                     continue
                 current = (cont.resp, cont.end)
                 leg = _Leg()
@@ -212,6 +220,7 @@ class StreamFailover:
                     break
                 self._lost(cont.engine, leg)
                 cont.end("error")
+                losses += 1
             if t.finish_reason is None:
                 self.fmetrics.failed_requests.inc()
                 err = {"error": {"message": "the engine broke off the stream and no other engine "
@@ -298,11 +307,12 @@ class StreamFailover:
         self, t: Transcript, failed: set[str], headers: dict[str, str]
     ) -> _Started | str:
         """Starts the continuation on one engine (its first byte awaited), or says
-        ``"finished"`` (nothing is left to generate) or ``"failed"`` (try another)."""
+        ``"finished"`` (nothing is left to generate), ``"busy"`` (no engine now, or it
+        answered 429: try again after a pause) or ``"failed"`` (try another)."""
         ids = t.prompt_ids + t.ids
         decision = await self.pick(ids, failed)
         if decision is None:
-            return "failed"
+            return "busy"  # no engine serves now: one may come back (a health check)
         engine = decision.engine
         failed.add(engine.url)
         try:
@@ -343,6 +353,9 @@ class StreamFailover:
                         pool.set_health(engine, False)
                 metrics.upstream_errors.labels(engine.url, "status" if resp else "timeout").inc()
                 end("error")
+                if resp is not None and resp.status_code == 429:
+                    failed.discard(engine.url)  # busy, not lost: it may take it in a moment
+                    return "busy"
                 return "failed"
         except httpx.HTTPError as e:
             metrics.upstream_errors.labels(engine.url, "connect").inc()
