@@ -90,7 +90,7 @@ class AutoscalerSpec:
     capacity_utilization: float = field(
         default_factory=lambda: _router_default("target_utilization")
     )
-    target_utilization: float = 0.6
+    target_utilization: float = 0.7
     util_window_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -384,7 +384,10 @@ SWEEPS: dict[str, tuple[str, tuple[float, ...]]] = {
     "signals": ("capacity_utilization", (0.7, 0.55, 0.4, 0.3)),
     "utilization": ("target_utilization", (0.9, 0.8, 0.7, 0.55)),
 }
-DEFAULTS = {"signals": _router_default("target_utilization"), "utilization": 0.7}
+DEFAULTS = {
+    "signals": _router_default("target_utilization"),
+    "utilization": AutoscalerSpec.__dataclass_fields__["target_utilization"].default,
+}
 
 
 @dataclass(frozen=True)
