@@ -122,6 +122,8 @@ class Timeline:
     provisioned: list[int] = field(default_factory=list)
     desired: list[int] = field(default_factory=list)
     metric: list[float] = field(default_factory=list)  # recommendation or mean utilisation
+    utilization: list[float] = field(default_factory=list)  # mean busy fraction of ready engines
+    capacity: list[float | None] = field(default_factory=list)  # measured, tokens/s per engine
 
 
 class ScalingFleet(Fleet):
@@ -269,8 +271,8 @@ class ScalingFleet(Fleet):
         s, now = self.scaler, self.now
         current = len(self.ready) + len(self.starting)
         util = self._utilization()
+        snap = self.tracker.snapshot(now)  # fed in both runs; followed only by ``signals``
         if s.kind == "signals":
-            snap = self.tracker.snapshot(now)
             rec = recommend_replicas(snap, len(self.ready), self.target, self._kv_usage())
             desired, metric = rec.replicas, float(rec.replicas)
         else:
@@ -296,6 +298,8 @@ class ScalingFleet(Fleet):
         tl.provisioned.append(len(self.ready) + len(self.starting) + len(self.draining))
         tl.desired.append(desired)
         tl.metric.append(metric)
+        tl.utilization.append(util)
+        tl.capacity.append(snap.capacity_tokens_per_s)
         if self._remaining > 0:
             self.schedule(now + s.sync_s, self._sync, None)
 
