@@ -131,9 +131,13 @@ def scaling_table(scaling: dict[str, Any]) -> str:
         default = scaling[kind][knob]
         for p in scaling["sweep"][kind]:
             star = " *" if p[knob] == default else ""
+            cap = p["capacity_range"]
+            caps = f"{cap[0]:.0f}-{cap[1]:.0f}" if cap else "-"
             rows.append([f"{kind} {knob}={p[knob]:g}{star}", p["ttft_p99_spike_s"],
-                         p["replica_minutes"], p["max_replicas"]])  # fmt: skip
-    return table(["autoscaler (* default)", "TTFT p99 in spike s", "replica-min", "max"], rows)
+                         p["replica_minutes"], p["max_replicas"], caps])  # fmt: skip
+    headers = ["autoscaler (* default)", "TTFT p99 in spike s", "replica-min", "max",
+               "capacity tok/s"]  # fmt: skip
+    return table(headers, rows)
 
 
 def build_profile(args: argparse.Namespace) -> Profile:

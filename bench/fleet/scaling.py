@@ -434,6 +434,8 @@ def _over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "replica_minutes", "hit_rate")  # fmt: skip
     out: dict[str, Any] = {k: _mean([r[k] for r in runs]) for k in keys}
     out["max_replicas"] = max(r["max_replicas"] for r in runs)
+    caps = [c for r in runs for c in r["timeline"]["capacity"] if c is not None]
+    out["capacity_range"] = [min(caps), max(caps)] if caps else None  # tokens/s per engine
     out["requests"] = sum(r["requests"] for r in runs)
     out["per_seed"] = {k: [r[k] for r in runs] for k in ("ttft_p99_spike_s", "replica_minutes")}
     fresh = [r["new_replicas"] for r in runs]
@@ -472,8 +474,8 @@ def compare_autoscalers(
             summary = _over_seeds(runs(kind, v, scenario.mode))
             if v == DEFAULTS[kind]:
                 out[kind] = {knob: v, **summary}
-            points.append({knob: v, **{k: summary[k] for k in
-                          ("ttft_p99_spike_s", "replica_minutes", "max_replicas")}})  # fmt: skip
+            points.append({knob: v, **{k: summary[k] for k in ("ttft_p99_spike_s",
+                          "replica_minutes", "max_replicas", "capacity_range")}})  # fmt: skip
         out["sweep"][kind] = points
     no_tier = _over_seeds(runs("signals", DEFAULTS["signals"], "colocated"))
     out["replica_start"] = {
