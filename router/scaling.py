@@ -57,9 +57,10 @@ class ScalingTarget:
         target_utilization: Share of an engine's measured prefill capacity to plan
             for. Low because capacity is measured under the load of the moment:
             at light load a prefill has the steps to itself, under load decodes
-            share them (the fleet simulation measures ~2,000 tokens/s falling to
-            ~850), and the rest is headroom for arrivals within the window
-            (docs/fleet.md, the scaling comparison's sweep).
+            share them (the fleet simulation measures up to 2,400 tokens/s per
+            engine at light load, 800 on an engine a spike overloads), and the
+            rest is headroom for arrivals within the window (docs/fleet.md, the
+            scaling comparison's sweep).
         kv_target: The mean KV memory usage (0-1) to hold.
         max_step_up: Largest factor the TTFT rule grows the fleet by at once.
 
