@@ -15,11 +15,15 @@ G1 hit tokens      ``kvtier_engine_prefix_cache_hit_tokens``   ``vllm:prefix_cac
 tokens queried     ``kvtier_engine_prefix_cache_queries_       ``vllm:prefix_cache_queries``
                    tokens``
 shared-tier hits   ``kvtier_engine_external_loaded_tokens``    ``vllm:external_prefix_cache_hits``
+shared queried     –                                           ``vllm:external_prefix_cache_queries``
 =================  ==========================================  =======================================
 
-The last three are counters: hit rates are their increase over a window
-(:class:`CounterWindow`), G1 = hits / queried and shared = shared hits / queried.
-Samples of one name (vLLM labels them by model and engine) are summed.
+The last four are counters: hit rates are their increase over a window
+(:class:`CounterWindow`, :func:`hit_rates`), G1 = hits / queried and shared =
+shared hits / queried — over the tokens queried externally when the G1
+query count did not grow (vLLM with ``--no-enable-prefix-caching`` counts
+no G1 queries). Samples of one name (vLLM labels them by model and engine)
+are summed.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ _SAMPLES = {
         "kvtier_engine_external_loaded_tokens_total",
         "vllm:external_prefix_cache_hits_total",
     ),
+    "shared_queries": ("vllm:external_prefix_cache_queries_total",),
 }
 _BY_SAMPLE = {name: figure for figure, names in _SAMPLES.items() for name in names}
-COUNTERS = ("prefix_hits", "prefix_queries", "shared_hits")
+COUNTERS = ("prefix_hits", "prefix_queries", "shared_hits", "shared_queries")
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class EngineStats:
         waiting: Requests in its waiting queue.
         running: Requests in its running batch.
         kv_usage: Share of its KV memory (G1) in use, 0 to 1.
-        counters: Cumulative ``prefix_hits``, ``prefix_queries``, ``shared_hits`` (tokens).
+        counters: Cumulative ``prefix_hits``, ``prefix_queries``, ``shared_hits``,
+            ``shared_queries`` (tokens; those the engine exports).
     """
 
     waiting: float | None
@@ -129,3 +135,11 @@ class CounterWindow:
         if n is None or d is None or d <= 0:
             return None
         return n / d
+
+
+def hit_rates(window: CounterWindow, now: float) -> dict[str, float | None]:
+    """``{"g1": ..., "shared": ...}`` over the window (None: nothing queried in it)."""
+    shared = window.ratio(now, "shared_hits", "prefix_queries")
+    if shared is None:
+        shared = window.ratio(now, "shared_hits", "shared_queries")
+    return {"g1": window.ratio(now, "prefix_hits", "prefix_queries"), "shared": shared}

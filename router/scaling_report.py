@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.router.config import RouterConfig
-from kvtier.router.engine_stats import CounterWindow, EngineStats, parse_engine_stats
+from kvtier.router.engine_stats import CounterWindow, EngineStats, hit_rates, parse_engine_stats
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.scaling import ScalingTarget, recommend_replicas
 from kvtier.router.signals import Attempt, SignalTracker
@@ -165,12 +165,7 @@ class RouterSignals:
                 "engine_waiting": stats.waiting if stats is not None else None,
                 "engine_running": stats.running if stats is not None else None,
                 "kv_usage": stats.kv_usage if stats is not None else None,
-                "hit_rate": {
-                    "g1": window.ratio(now, "prefix_hits", "prefix_queries") if window else None,
-                    "shared": window.ratio(now, "shared_hits", "prefix_queries")
-                    if window
-                    else None,
-                },
+                "hit_rate": hit_rates(window, now) if window else {"g1": None, "shared": None},
             }
         kv_usage = sum(usages) / len(usages) if usages else None
         rec = recommend_replicas(snap, len(serving), self.target, kv_usage)

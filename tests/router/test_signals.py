@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvtier.router.engine_stats import CounterWindow, parse_engine_stats
+from kvtier.router.engine_stats import CounterWindow, hit_rates, parse_engine_stats
 from kvtier.router.scaling import ScalingTarget, recommend_replicas
 from kvtier.router.signals import FleetSignals, SampleWindow, SignalTracker, SumWindow, percentile
 
@@ -253,6 +253,14 @@ def test_engine_stats_from_the_bundled_engine_and_from_vllm() -> None:
     s = parse_engine_stats(vllm)
     assert s is not None and s.waiting == 3 and s.kv_usage == 0.5 and s.running is None
     assert s.counters == {"prefix_queries": 1000, "shared_hits": 300}
+    # vLLM without prefix caching counts no G1 queries: shared over the tokens queried externally
+    w = CounterWindow(window_s=10.0)
+    w.add(0.0, {"prefix_queries": 0, "shared_hits": 0, "shared_queries": 0})
+    w.add(1.0, {"prefix_queries": 0, "shared_hits": 300, "shared_queries": 1200})
+    assert hit_rates(w, 1.0) == {"g1": None, "shared": 0.25}
+    w.add(2.0, {"prefix_queries": 2000, "prefix_hits": 500, "shared_hits": 800,
+                "shared_queries": 1700})  # fmt: skip
+    assert hit_rates(w, 2.0)["shared"] == pytest.approx(0.4)  # 800 / 2000 G1 queries
     assert parse_engine_stats("not { prometheus") is None
 
 
