@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvtier.bench.lib.vllm_peer import SMOLLM2_HF_NAME, VllmServer, find_vllm
@@ -88,6 +89,7 @@ class Cold:
     engine_config: Path  # the bundled engine's kvtier configuration: the disk tier alone
     engine_cold: list[int]  # the engine's own greedy tokens for prompts[0]
     from_engine: tuple[str, str, float]  # vLLM on the engine's KV: (text, cold text, tokens loaded)
+    vllm_metrics: str  # A's /metrics at the end (what the router's health checks read)
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +139,35 @@ def cold(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             before = counters["loaded_tokens"]
             counters = wait_counters(a.url, {"loaded_tokens": before + PROMPT_TOKENS - 1})
             from_engine = (loaded, salted, counters["loaded_tokens"] - before)
-        yield Cold(prompts, texts, disk, serve, engine_config, engine_cold, from_engine)
+            vllm_metrics = httpx.get(a.url + "/metrics", timeout=30, trust_env=False).text
+        yield Cold(
+            prompts, texts, disk, serve, engine_config, engine_cold, from_engine, vllm_metrics
+        )
 
 
 def test_vllm_loads_what_the_bundled_engine_saved(cold: Cold) -> None:
     text, cold_text, loaded = cold.from_engine
     assert loaded == PROMPT_TOKENS - 1
     assert text == cold_text
+
+
+def test_vllms_metrics_give_the_router_its_engine_figures(cold: Cold) -> None:
+    """The scaling signals read vLLM's queue, KV usage and prefix-cache counters."""
+    from kvtier.router.engine_stats import CounterWindow, hit_rates, parse_engine_stats
+
+    stats = parse_engine_stats(cold.vllm_metrics)
+    assert stats is not None and stats.waiting == 0 and stats.running == 0
+    assert stats.kv_usage is not None and 0.0 <= stats.kv_usage <= 1.0
+    # A loaded prompts[0] and engine_prompt from the tiers: external prefix-cache hits, over
+    # the tokens it queried externally (A runs without prefix caching: no G1 queries)
+    c = stats.counters
+    assert c["shared_hits"] >= 2 * (PROMPT_TOKENS - 1)
+    assert c["shared_queries"] >= c["shared_hits"] and c.get("prefix_queries", 0) == 0
+    window = CounterWindow(60.0)
+    window.add(0.0, dict.fromkeys(c, 0.0))
+    window.add(1.0, c)
+    shared = hit_rates(window, 1.0)["shared"]
+    assert shared is not None and 0.0 < shared <= 1.0
 
 
 def test_the_bundled_engine_loads_what_vllm_saved(cold: Cold, model_dir: Path) -> None:
