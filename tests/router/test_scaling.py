@@ -222,3 +222,27 @@ def test_the_bundled_engines_metrics_give_every_engine_figure(tiny_model: Path) 
     g1 = window.ratio(1.0, "prefix_hits", "prefix_queries")
     assert g1 is not None and 0.2 < g1 < 1.0  # the second request's prefix hit
     assert window.ratio(1.0, "shared_hits", "prefix_queries") == 0.0  # no connector
+
+
+def test_under_pd_the_answer_is_timed_on_the_decode_engine(tokenizer: Tokenizer) -> None:
+    prefill, decode = FakeEngine("p", first_byte_delay_s=0.2), FakeEngine("d")
+    config = RouterConfig(
+        engines=(EngineSpec(prefill.url, "prefill"), EngineSpec(decode.url, "decode")),
+        health_interval_s=0.1,
+        kv_events=False,
+    )
+    router = BackgroundRouter(create_router_app(config, tokenizer)).start()
+    try:
+        with httpx.Client(base_url=router.url, timeout=TIMEOUT) as client:
+            for i in range(3):
+                assert client.post("/v1/chat/completions", json=body(i, True)).status_code == 200
+            report = client.get("/scaling").json()
+    finally:
+        router.close()
+        prefill.close()
+        decode.close()
+    p, d = report["engines"][prefill.url], report["engines"][decode.url]
+    assert d["ttft_samples"] == 3 and p["ttft_samples"] == 0  # the client's answer came from d
+    assert p["busy_fraction"] > 0 and p["queue_depth"] == d["queue_depth"] == 0
+    assert report["fleet"]["ttft_p50_s"] >= 0.2  # the prefill leg is part of the client's TTFT
+    assert report["fleet"]["ready_replicas"] == 1  # the recommendation counts prefilling engines
