@@ -143,12 +143,15 @@ class RouterSignals:
         """Per-engine and fleet signals and the recommendation, JSON-ready (``GET /scaling``).
 
         Args:
-            engines: The pool's engines (``url``, ``role``, ``healthy``, ``in_flight``).
+            engines: The pool's engines (``url``, ``role``, ``healthy``, ``warming``,
+                ``in_flight``).
         """
         now = self.clock()
         self._sample_router_counters(now)
         snap = self.tracker.snapshot(now)
-        serving = [e for e in engines if e.healthy and e.role in ("both", "prefill")]
+        # NOTE: an engine warming up (POST /engines) is healthy but not routed to yet
+        serving = [e for e in engines
+                   if e.healthy and not e.warming and e.role in ("both", "prefill")]  # fmt: skip
         per_engine = {}
         usages = []
         for e in engines:
@@ -160,6 +163,7 @@ class RouterSignals:
             per_engine[e.url] = {
                 "role": e.role,
                 "healthy": e.healthy,
+                "warming": e.warming,
                 "in_flight": e.in_flight,
                 **(asdict(sig) if sig is not None else {}),
                 "engine_waiting": stats.waiting if stats is not None else None,
@@ -260,7 +264,7 @@ _FLEET_GAUGES = {
                               "Mean measured prefill throughput of one engine"),
     "kv_usage": ("kvtier_router_fleet_kv_usage", "Mean KV memory usage of healthy engines"),
     "ready_replicas": ("kvtier_router_ready_replicas",
-                       "Healthy engines that prefill (both or prefill role)"),
+                       "Healthy engines that prefill (both or prefill role), not warming"),
 }  # fmt: skip
 
 

@@ -107,6 +107,7 @@ def test_scaling_signals_per_engine_and_fleet(tokenizer: Tokenizer) -> None:
     assert fleet["demand_tokens_per_s"] > 0 and fleet["capacity_tokens_per_s"] > 0
     assert fleet["kv_usage"] == pytest.approx(0.25)
     assert fleet["ready_replicas"] == 2
+    assert not any(e["warming"] for e in report["engines"].values())
     for f in fakes:
         e = report["engines"][f.url]
         assert e["ttft_samples"] >= 8 and e["ttft_p50_s"] >= 0.15
@@ -246,3 +247,25 @@ def test_under_pd_the_answer_is_timed_on_the_decode_engine(tokenizer: Tokenizer)
     assert p["busy_fraction"] > 0 and p["queue_depth"] == d["queue_depth"] == 0
     assert report["fleet"]["ttft_p50_s"] >= 0.2  # the prefill leg is part of the client's TTFT
     assert report["fleet"]["ready_replicas"] == 1  # the recommendation counts prefilling engines
+
+
+def test_a_warming_engine_is_no_ready_replica() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.router.metrics import RouterMetrics
+    from kvtier.router.scaling_report import RouterSignals
+
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    signals = RouterSignals(
+        RouterConfig(engines=tuple(EngineSpec(u) for u in urls)), RouterMetrics(CollectorRegistry())
+    )
+    engines = [
+        SimpleNamespace(url=urls[0], role="both", healthy=True, warming=False, in_flight=0),
+        SimpleNamespace(url=urls[1], role="both", healthy=True, warming=True, in_flight=0),
+    ]
+    report = signals.report(engines)
+    assert report["fleet"]["ready_replicas"] == 1
+    assert report["recommendation"]["current"] == 1
+    assert report["engines"][urls[1]]["warming"] is True
