@@ -121,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=16_000,
         help="G1 of each engine in the failover, warm-start and P/D runs, tokens",
     )
+    ap.add_argument(
+        "--warm-qps",
+        type=float,
+        default=2.0,
+        help="arrivals while a joined replica is measured (2: more than one engine serves here)",
+    )
     ap.add_argument("--pd-requests", type=int, default=None, help="default 16 (--quick 10)")
     ap.add_argument("--pd-prompt-tokens", type=int, default=1500)
     ap.add_argument("--pd-answer-tokens", type=int, default=48)
@@ -305,7 +311,8 @@ def run_warm_start(
     from kvtier.bench.lib.router_warm import WarmLoad
     from kvtier.bench.lib.router_warm import run_warm_start as drive
 
-    return drive(opts, workdir / "warm-start", WarmLoad(seed=args.seed), count, args, say)
+    load = WarmLoad(qps=args.warm_qps, seed=args.seed)
+    return drive(opts, workdir / "warm-start", load, count, args, say)
 
 
 @contextmanager

@@ -223,12 +223,23 @@ def run_failover(
     hit = [s for s in run.streams if s.chunks_at_kill is not None]
     survivor = next((e.url for e in engines if e.url != run.killed), None)
     compared = equal = 0
+    diffs = []
     if survivor is not None:
         for s in hit:
             if s.error is None:
                 compared += 1
                 ref = _reference(survivor, s.messages, model, load.answer_tokens)
                 equal += int(ref == s.text)
+                same = next(
+                    (i for i, (x, y) in enumerate(zip(ref, s.text, strict=False)) if x != y),
+                    min(len(ref), len(s.text)),
+                )
+                diffs.append(
+                    {"chars": len(s.text), "reference_chars": len(ref), "same_chars": same,
+                     "chunks_before_kill": s.chunks_at_kill,
+                     "text_at": s.text[max(0, same - 20) : same + 40],
+                     "reference_at": ref[max(0, same - 20) : same + 40]}
+                )  # fmt: skip
     client_failed = sum(1 for s in run.streams if s.error is not None)
     out: dict[str, Any] = {k: counters.get(k) for k in FAILOVER_COUNTERS}
     # NOTE: the client's count of failed requests is the one the bar reads: it also sees
@@ -243,6 +254,8 @@ def run_failover(
         client_errors=[s.error for s in run.streams if s.error is not None],
         texts_compared=compared,
         texts_equal=equal,
+        # where each interrupted stream's text first differs from the reference
+        text_diffs=diffs,
         router_counters=counters,
         workload=vars(load),
     )

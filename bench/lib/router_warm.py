@@ -43,6 +43,7 @@ from kvtier.bench.lib.router_fleet import (
     engine_process,
     shared_tier,
 )
+from kvtier.bench.lib.serve_metrics import run_metrics, scrape
 from kvtier.bench.lib.serve_stats import percentile
 from kvtier.bench.lib.serve_workloads import TextMaker, poisson_arrivals
 
@@ -56,7 +57,7 @@ class WarmLoad:
     question_tokens: int = 24
     answer_tokens: int = 16
     prime_requests: int = 16
-    qps: float = 1.0
+    qps: float = 2.0
     window_s: float = 60.0
     seed: int = 0
 
@@ -158,8 +159,11 @@ def run_warm_start(
                 )  # fmt: skip
                 mine = [s for s in streams if s.engine == joiner.url and s.ttft_s is not None]
                 ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
+                after = scrape(joiner.url) or {}
                 out[variant] = {
                     "requests": len(mine),
+                    "ttft_s": ttft,  # in arrival order
+                    "joiner_counters": run_metrics(after),
                     "errors": sum(1 for s in streams if s.error is not None),
                     "fleet_requests": len(streams),
                     "ttft_p50_s": percentile(ttft, 50),
