@@ -29,7 +29,8 @@ TTFT p50 / p99 of each run, how often a run's p99 was no higher than round
 robin's on the same seed, and two diagnostics of *why*: ``lost`` — prompt
 tokens the router counted as a G1 hit that were evicted before the request
 was admitted (a stale view: the engine had to make room for the requests
-queued before it), and ``admit_wait_s`` — mean seconds from a request's
+queued before it), ``max_share`` — the busier engine's share of the
+requests (hot-spotting), and ``admit_wait_s`` — mean seconds from a request's
 arrival to its admission (behind other prefills, or waiting for G1 blocks
 while the requests admitted before it finish). A table, then one JSON line
 last.
@@ -113,6 +114,8 @@ def run_once(
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "lost": lost / prompt,
         "admit_wait_s": statistics.mean(waits),
+        # the busier engine's share of the requests (0.5: even)
+        "max_share": max(e.requests for e in res.engines) / len(reqs),
     }
 
 
@@ -158,13 +161,13 @@ def main(argv: list[str] | None = None) -> None:
                     g1, f"{speed:g}", p, f"{r['hit_rate']:.2f}", f"{r['hit_rate'] - rr['hit_rate']:+.2f}",
                     f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
                     f"{r['ttft_p99_s'] / rr['ttft_p99_s']:.2f}", f"{r['p99_le_round_robin']:.0%}",
-                    f"{r['lost']:.3f}", f"{r['admit_wait_s']:.2f}",
+                    f"{r['lost']:.3f}", f"{r['max_share']:.2f}", f"{r['admit_wait_s']:.2f}",
                 ])  # fmt: skip
             results.append({"g1_tokens": g1, "speed": speed, "policies": res})
     print((__doc__ or "").split("\n")[0])
     print(f"{args.seeds} seeds per cell; workload {shape}")
     headers = ["G1 tokens", "speed", "policy", "hit", "vs RR", "TTFT p50 s", "TTFT p99 s",
-               "p99 / RR", "p99 <= RR", "lost", "admit wait s"]  # fmt: skip
+               "p99 / RR", "p99 <= RR", "lost", "share", "admit wait s"]  # fmt: skip
     print(table(headers, rows))
     emit(
         {

@@ -32,8 +32,9 @@ its process group is killed by PID. Counts from the router (``GET
 /failover``) and the client.
 
 **Warm start** (``warm_start``, ``bench/lib/router_warm.py``): a fresh
-replica joins the router of a running fleet, with and without warm-up;
-TTFT of the requests it serves in its first minute.
+replica joins the router (``POST /engines``) without, then with warm-up,
+and replaces the engine before it; TTFT of the requests it serves in its
+first minute.
 
 **P/D** (``pd``, bundled engine only; the same two engines started again
 for each mode, the kvtier connector on a new ``kvtier serve`` each):

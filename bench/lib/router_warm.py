@@ -9,17 +9,21 @@ shared tier and the router's hit statistics know them. Then, twice:
    and joins through ``POST /engines`` — ``"warm": false`` the first time,
    ``"warm": true`` the second (then the phase waits until ``GET
    /warm_start`` says it is no longer warming: it takes no traffic before);
-2. for ``window_s`` (a minute) new questions about the same documents
-   arrive at ``qps`` through the router, which spreads them by its policy;
-3. **TTFT of the requests the joined engine answered** (``x-kvtier-engine``)
-   in that window: its first minute. It is then killed (the router takes
-   it out) before the next one joins.
+2. it **replaces** the engine before it: that one is killed while idle and
+   the phase waits until the router has taken it out, so the new replica
+   takes all the traffic (a rolling replacement; with the old engine still
+   in, the router would keep the hot prefixes where they are, and it cannot
+   score a vLLM replica that joined at runtime: its KV events are given at
+   start, ``--vllm-kv-events``);
+3. for ``window_s`` (a minute) new questions about the same documents
+   arrive at ``qps``; **TTFT of the requests the new replica answered**
+   (``x-kvtier-engine``): its first minute.
 
 Each pass asks its own questions (another seed), so the second does not
-find the first one's prompts in the tier. The joined engine's first requests
-pay what a fresh process pays once (its first forward passes) besides its
-cache misses; a warmed engine paid those during warm-up, off the clock —
-that is part of what warm-up buys.
+find the first one's prompts in the tier. A cold replica loads each hot
+document from the tier at its first request for it, and its first requests
+pay what a fresh process pays once (its first forward passes); a warmed one
+did both during warm-up, before it took traffic.
 """
 
 from __future__ import annotations
@@ -113,6 +117,17 @@ def _join(router_url: str, engine_url: str, warm: bool, deadline_s: float) -> di
     return state
 
 
+def _wait_out(router_url: str, engine_url: str, timeout_s: float) -> None:
+    """Waits until the router's health checks have taken ``engine_url`` out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(router_url + "/health", timeout=10.0, trust_env=False).json()
+        if not health.get("engines", {}).get(engine_url, {}).get("healthy", False):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the router still routes to {engine_url} {timeout_s:g} s after it died")
+
+
 def run_warm_start(
     opts: FleetOptions,
     workdir: Path,
@@ -142,36 +157,40 @@ def run_warm_start(
             _send_all(router.url, prime, arrivals, load.answer_tokens, args.request_timeout_s)
         )
         out["prime_errors"] = sum(1 for s in primed if s.error is not None)
+        previous = fleet
         for variant, warm in (("without", False), ("with", True)):
-            with engine_process(
-                opts, workdir, f"joiner-{variant}", args.fleet_kv_tokens, connector=config
-            ) as joiner:
-                state = _join(router.url, joiner.url, warm, 120.0)
-                say(f"  {variant} warm-up: {joiner.url} joined ({state.get('state', 'cold')})")
-                n = max(1, round(load.qps * load.window_s))
-                qrng = random.Random(f"{load.seed}:warm-{variant}")
-                msgs = _questions(maker, docs, n, load.question_tokens, qrng)
-                at = poisson_arrivals(load.qps, n, random.Random(f"{load.seed}:at-{variant}"))
-                at = [t for t in at if t < load.window_s] or at[:1]
-                streams = asyncio.run(
-                    _send_all(router.url, msgs[: len(at)], at, load.answer_tokens,
-                              args.request_timeout_s)
-                )  # fmt: skip
-                mine = [s for s in streams if s.engine == joiner.url and s.ttft_s is not None]
-                ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
-                after = scrape(joiner.url) or {}
-                out[variant] = {
-                    "requests": len(mine),
-                    "ttft_s": ttft,  # in arrival order
-                    "joiner_counters": run_metrics(after),
-                    "errors": sum(1 for s in streams if s.error is not None),
-                    "fleet_requests": len(streams),
-                    "ttft_p50_s": percentile(ttft, 50),
-                    "ttft_p99_s": percentile(ttft, 99),
-                    "ttft_first_s": mine[0].ttft_s if mine else None,
-                    "warm_up": state,
-                    "engine": joiner.info,
-                }
-                joiner.kill()  # out of the fleet before the next one joins
-                time.sleep(1.5)  # the router's health check takes it out
+            joiner = stack.enter_context(
+                engine_process(
+                    opts, workdir, f"joiner-{variant}", args.fleet_kv_tokens, connector=config
+                )
+            )
+            state = _join(router.url, joiner.url, warm, 120.0)
+            say(f"  {variant} warm-up: {joiner.url} joined ({state.get('state', 'cold')})")
+            # it replaces the engine before it (killed while idle), so it takes all the traffic
+            previous.kill()
+            _wait_out(router.url, previous.url, 30.0)
+            n = max(1, round(load.qps * load.window_s))
+            qrng = random.Random(f"{load.seed}:warm-{variant}")
+            msgs = _questions(maker, docs, n, load.question_tokens, qrng)
+            at = poisson_arrivals(load.qps, n, random.Random(f"{load.seed}:at-{variant}"))
+            at = [t for t in at if t < load.window_s] or at[:1]
+            streams = asyncio.run(
+                _send_all(router.url, msgs[: len(at)], at, load.answer_tokens,
+                          args.request_timeout_s)
+            )  # fmt: skip
+            mine = [s for s in streams if s.engine == joiner.url and s.ttft_s is not None]
+            ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
+            out[variant] = {
+                "requests": len(mine),
+                "ttft_s": ttft,  # in arrival order
+                "joiner_counters": run_metrics(scrape(joiner.url) or {}),  # since it started
+                "errors": sum(1 for s in streams if s.error is not None),
+                "sent": len(streams),
+                "ttft_p50_s": percentile(ttft, 50),
+                "ttft_p99_s": percentile(ttft, 99),
+                "ttft_first_s": mine[0].ttft_s if mine else None,
+                "warm_up": state,
+                "engine": joiner.info,
+            }
+            previous = joiner
     return out
