@@ -16,8 +16,8 @@
   second engine computes the prefix once, then holds it too).
 
   ``memory_wait``: an engine admits a request only when its G1 has free
-  blocks for the whole prompt (the bundled engine; vLLM preempts instead,
-  which costs as much). When the requests in flight there already reserve
+  blocks for the whole prompt (the bundled engine; vLLM admits and then
+  preempts a running request when blocks run out). When the requests in flight there already reserve
   so much that this one does not fit, it waits until the oldest of them
   have *finished* (not merely started answering). Meanwhile the requests
   admitted before it evict the least recently used blocks, so the G1 prefix
@@ -34,16 +34,17 @@
   engine computes for others while a request waits, and a request sent
   away from its prefix costs its user's later rounds their hits, which the
   cost does not see. ``bench/router_sim.py`` (the router bench's workload on
-  simulated engines, G1 1,800-8,000 tokens, two loads, 100 seeds) found 10-20
-  best; the full 160 gave up hits on a busy fleet. Against the cost without
+  simulated engines, G1 1,800-8,000 tokens, two loads, 100 seeds) compares
+  16 with 160, which gave up hits on a busy fleet. Against the cost without
   these terms, TTFT p99 was no higher than round robin's in more of the runs
   in 6 of the 10 cells (1,800 tokens: 86-96 % of the runs against 24-45 %),
   as often in 3, less often in 1 (3,000 tokens, busy: 60 % against 70 %);
   hit rates within 0.02, but 0.03-0.05 lower at 1,800 tokens, where the
   prefixes it no longer chases did not survive anyway (bench/RESULTS.md).
 
-The policy sees an engine only through :class:`Routable` (its load and its
-queued prefill), so the fleet simulation (``bench/fleet/router.py``) runs
+The policy sees an engine only through :class:`Routable` (its load, its
+queued prefill, its G1 capacity and what the router's requests reserve
+there), so the fleet simulation (``bench/fleet/router.py``) runs
 this very code on simulated engines.
 """
 
