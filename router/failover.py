@@ -48,7 +48,7 @@ from kvtier.router.continuation import (
 )
 from kvtier.router.engines import Engine, EnginePool
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policy import Decision
+from kvtier.router.policy import Decision, Reservation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,6 +114,31 @@ class FailoverMetrics:
 
 def _value(c: Counter) -> int:
     return int(sum(s.value for m in c.collect() for s in m.samples if s.name.endswith("_total")))
+
+
+def track_attempt(
+    pool: EnginePool,
+    metrics: RouterMetrics,
+    engine: Engine,
+    pending: int,
+    reservation: Reservation | None = None,
+) -> Callable[[str], None]:
+    """Counts one try at ``engine`` in the pool (in flight, pending prefill, reserved G1).
+
+    The returned ``end(outcome)`` closes the try once, whatever calls it first.
+    """
+    pool.begin(engine, pending, reservation)
+    ended = False
+
+    def end(outcome: str) -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            pool.first_byte(engine, pending)
+            pool.end(engine, reservation)
+            metrics.requests.labels(engine.url, outcome).inc()
+
+    return end
 
 
 @dataclass
@@ -326,16 +351,7 @@ class StreamFailover:
         payload = json.dumps(t.continuation_body(remaining)).encode()
         pending = max(0, len(ids) - decision.hit_tokens)
         pool, metrics = self.pool, self.metrics
-        pool.begin(engine, pending)
-        ended = False
-
-        def end(outcome: str) -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                pool.first_byte(engine, pending)
-                pool.end(engine)
-                metrics.requests.labels(engine.url, outcome).inc()
+        end = track_attempt(pool, metrics, engine, pending)
 
         req = self.client.build_request(
             "POST", engine.url + COMPLETION_PATH, content=payload, headers=headers

@@ -39,7 +39,7 @@ from kvtier.router.config import Role, RouterConfig
 from kvtier.router.continuation import Transcript, continuable
 from kvtier.router.engines import Engine, EnginePool
 from kvtier.router.events import EventFollower
-from kvtier.router.failover import FailoverMetrics, StreamFailover, reissue_body
+from kvtier.router.failover import FailoverMetrics, StreamFailover, reissue_body, track_attempt
 from kvtier.router.index import PrefixIndex, PromptKeys, prompt_keys
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Candidate, Decision, Reservation, Router
@@ -361,17 +361,8 @@ class Proxy:
     ) -> Response | _Failed:
         """One try at ``engine``: a response to give the client, or a failure to retry."""
         pool, metrics = self.pool, self.metrics
-        pool.begin(engine, pending, reservation)
+        end = track_attempt(pool, metrics, engine, pending, reservation)
         started = time.perf_counter()
-        ended = False
-
-        def end(outcome: str) -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                pool.first_byte(engine, pending)
-                pool.end(engine, reservation)
-                metrics.requests.labels(engine.url, outcome).inc()
 
         try:
             req = self.client.build_request(
