@@ -156,6 +156,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="users joining per second (default: calibrated)",
     )
+    su.add_argument(
+        "--small-user-rate",
+        type=float,
+        default=None,
+        help="users joining per second on the small-KV systems (default: calibrated for a G1 "
+        "that keeps only the system prompt)",
+    )
     su.add_argument("--think-s", type=float, default=1.0, help="pause before a user's next round")
     su.add_argument(
         "--sustained",
@@ -378,9 +385,10 @@ def run_system(
         points.append(point)
     sustained = None
     if plan.sustained is not None:
-        workload = plan.sustained()
+        workload = plan.sustained(sys_.name in plan.small)
         label = f"sustained, {workload.params['user_rate']:.3g} users/s"
         sustained = run_point(sys_, model, label, workload, plan.sustained_limits, records)
+        sustained["user_rate"] = workload.params["user_rate"]
     return points, sustained
 
 
@@ -389,7 +397,9 @@ class Plan:
     """What one invocation runs: systems (or a target), workloads, options and bounds.
 
     ``workloads`` builds the main workload at each rate, ``sustained`` the
-    sustained one (None when it does not run); both build fresh lanes.
+    sustained one (None when it does not run) for a big-KV or a small-KV
+    system (``small``: the systems with the small budget, which get their own
+    user rate); both build fresh lanes.
     """
 
     runs: list[tuple[str, Callable[[Path], AbstractContextManager[Running]]]]
@@ -398,7 +408,8 @@ class Plan:
     limits: Limits
     dtype: str
     workloads: Callable[[], list[tuple[float, Workload]]] = list
-    sustained: Callable[[], Workload] | None = None
+    sustained: Callable[[bool], Workload] | None = None
+    small: frozenset[str] = frozenset()
     sustained_limits: Limits = field(default_factory=Limits)
     calibration: dict[str, Any] | None = None
 
@@ -417,6 +428,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if args.dtype == "auto":
             args.dtype = host_fastest_dtype()
         runs: list[tuple[str, Callable[[Path], AbstractContextManager[Running]]]]
+        small: frozenset[str] = frozenset()
         if args.target:
             runs = [("target", lambda _: target(args.target))]
         else:
@@ -437,10 +449,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
             names = [n.strip() for n in args.systems.split(",") if n.strip()]
             specs = [SystemSpec.named(n) for n in names]
             runs = [(s.name, partial(running_system, s, opts)) for s in specs]
+            small = frozenset(s.name for s in specs if s.small)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     main_qps = args.qps if args.qps in qps_points else qps_points[0]
-    return Plan(runs, qps_points, main_qps, limits, args.dtype)
+    return Plan(runs, qps_points, main_qps, limits, args.dtype, small=small)
 
 
 def print_report(
@@ -476,6 +489,11 @@ def print_report(
             f"{sp['duration_s']:g} s, {sp['rounds']} rounds, {sp['system_tokens']}-token system "
             f"prompt, {sp['context_tokens']}-token contexts, {sp['answer_tokens']}-token answers"
         )
+        if args.sustained and plan.small & sustained.keys():
+            print(
+                f"small-KV systems: users joining at {args.small_user_rate:.3g}/s (the same "
+                "offered load for an engine that keeps only the system prompt cached)"
+            )
         if plan.calibration is not None:
             c = plan.calibration
             print(
@@ -510,31 +528,44 @@ def resolve_sustained(args: argparse.Namespace, plan: Plan, count: Callable[[str
     """
     if not (args.sustained or args.workload == "sustained"):
         return
-    if args.user_rate is None:
+    if args.user_rate is None or (args.sustained and args.small_user_rate is None):
         print(f"calibrating this host's speed ({plan.dtype}, bundled engine) ...", flush=True)
         cal = calibrate(plan.dtype)
         plan.calibration = cal.to_dict()
         probe = sustained_config(args, 1.0, args.seed)
-        args.user_rate = sustained_user_rate(
-            probe.prefill_tokens_per_user,
-            probe.generated_tokens_per_user,
-            cal.prefill_tokens_per_s,
-            cal.decode_tokens_per_s,
-            args.sustained_load,
-        )
+
+        def rate(prefill_tokens: int) -> float:
+            return sustained_user_rate(
+                prefill_tokens,
+                probe.generated_tokens_per_user,
+                cal.prefill_tokens_per_s,
+                cal.decode_tokens_per_s,
+                args.sustained_load,
+            )
+
+        if args.user_rate is None:
+            args.user_rate = rate(probe.prefill_tokens_per_user)
+        small = ""
+        if args.sustained:
+            if args.small_user_rate is None:
+                args.small_user_rate = rate(probe.uncached_prefill_tokens_per_user)
+            small = f" ({args.small_user_rate:.3g} on the small-KV systems)"
         print(
             f"  prefill {cal.prefill_tokens_per_s:.0f} tok/s, decode {cal.decode_tokens_per_s:.0f}"
-            f" tok/s: {args.user_rate:.3g} users/s",
+            f" tok/s: {args.user_rate:.3g} users/s{small}",
             flush=True,
         )
     if args.sustained:
         seed = args.seed + 1000  # its own text: nothing cached by the main workload
-        plan.sustained = lambda: build_sustained(
-            sustained_config(args, args.user_rate, seed), count
-        )
+
+        def sustained(small: bool) -> Workload:
+            rate = args.small_user_rate if small else args.user_rate
+            return build_sustained(sustained_config(args, rate, seed), count)
+
+        plan.sustained = sustained
         plan.sustained_limits = Limits(args.sustained_s, None, args.request_timeout_s)
         try:
-            plan.sustained()
+            sustained(False), sustained(True)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
 
@@ -608,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         shutil.rmtree(workdir, ignore_errors=True)
     workload = next(w for q, w in workloads() if q == plan.main_qps)
-    sustained_workload = plan.sustained() if plan.sustained is not None else None
+    sustained_workload = plan.sustained(False) if plan.sustained is not None else None
     if args.workload == "sustained":
         sustained, sustained_workload = main_points, workload
     rat, sus_rat = print_report(
@@ -624,6 +655,7 @@ def main(argv: list[str] | None = None) -> None:
         sustained_out = {
             "workload": sustained_workload.params,
             "user_rate": sustained_workload.params["user_rate"],
+            "small_user_rate": args.small_user_rate if args.sustained else None,
             "calibration": plan.calibration,
             "dtype": plan.dtype,
             "vllm_dtype": plan.dtype,

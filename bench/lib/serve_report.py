@@ -77,12 +77,13 @@ def print_ratios(rat: dict[str, float]) -> None:
 
 def sustained_table(systems: dict[str, dict[str, Any]]) -> str:
     headers = [
-        "system", "req", "err", "pending", "busy", "TTFT p50 ms", "p90", "p99", "ITL p50 ms",
-        "p99", "e2e p50 s", "prompt tok/s", "hit",
+        "system", "users/s", "req", "err", "pending", "busy", "TTFT p50 ms", "p90", "p99",
+        "ITL p50 ms", "p99", "e2e p50 s", "prompt tok/s", "hit",
     ]  # fmt: skip
     rows = [
         [
             name,
+            _num(s.get("user_rate")),
             s["requests"],
             s["errors"],
             s["pending_at_end"],

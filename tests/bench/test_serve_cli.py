@@ -123,3 +123,32 @@ def test_sweep_plots_ttft_against_qps(tmp_path: Path, capsys: pytest.CaptureFixt
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [p["qps"] for p in summary["sweep"]["target"]] == [20.0, 40.0]
     assert (tmp_path / "serve-ttft-vs-qps.png").stat().st_size > 0
+
+
+def test_small_kv_systems_get_their_own_sustained_rate() -> None:
+    args = serve.parse_args(
+        ["--systems", "kvtier,kvtier_small_g1,vllm_small_kv", "--sustained", "--dtype", "float32"]
+    )
+    plan = serve.make_plan(args)
+    assert plan.small == {"kvtier_small_g1", "vllm_small_kv"}
+
+
+@pytest.mark.smollm2
+def test_sustained_run_reports_each_systems_user_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with FakeOpenAI(tokens=2) as fake:
+        serve.main(
+            [
+                "--target", fake.url, "--users", "1", "--rounds", "1", "--qps", "50",
+                "--system-tokens", "20", "--context-tokens", "20", "--answer-tokens", "2",
+                "--sustained", "--user-rate", "3", "--small-user-rate", "1", "--sustained-s", "2",
+                "--think-s", "0", "--no-plots",
+            ]
+        )  # fmt: skip
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    sustained = summary["sustained"]
+    assert sustained["user_rate"] == 3.0 and sustained["small_user_rate"] == 1.0
+    assert sustained["systems"]["target"]["user_rate"] == 3.0  # a target is not a small system
+    assert "users/s" in out
