@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from kvtier.engine.server.auth import RequireApiKey
 from kvtier.engine.tokenizer import Tokenizer
 from kvtier.net import bind_listener
-from kvtier.router.config import EngineSpec, RouterConfig, RouterConfigError
-from kvtier.router.engines import EnginePool
+from kvtier.router.config import EngineSpec, RouterConfig, RouterConfigError, VllmEventSource
+from kvtier.router.engines import Engine, EnginePool
 from kvtier.router.events import EventFollower
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import RouterMetrics
@@ -83,6 +83,7 @@ class RouterState:
             timeout_s=c.health_timeout_s,
             headers=headers,
             on_down=self._engine_down,
+            on_up=self._engine_up,
             signals=self.signals,
         )
         weights = Weights(
@@ -110,22 +111,50 @@ class RouterState:
                 self.metrics, wait_s=c.events_wait_s, token=c.tier_events_token)  # fmt: skip
             self.tier_events.start()
 
+    def _follow_vllm(self, source: VllmEventSource) -> None:
+        assert self.follower is not None
+        if self.vllm_events is None:
+            # NOTE: imported here: pyzmq and msgpack are needed only to follow vLLM engines.
+            from kvtier.router.vllm_events import VllmEventFollower
+
+            self.vllm_events = VllmEventFollower((), self.index, self.metrics, self.follower)
+            self.vllm_events.start()
+        self.vllm_events.add(source)
+
+    def _engine_up(self, engine: Engine) -> None:
+        """An engine given at start that comes up late, or any engine that comes back (a
+        restarted process has lost its G1), is warmed like a joining one when the router
+        has hit statistics (at start it has none: nothing to hand over)."""
+        w = self.warmer
+        if w is None or engine.warming or self.config.warm_max_prefixes <= 0 or not len(w.hot):
+            return
+        engine.warming = True
+        w.start(engine)
+
     def _engine_down(self, url: str) -> None:
         if self.follower is not None:
             self.follower.engine_down(url)
         if self.vllm_events is not None:
             self.vllm_events.engine_down(url)
 
-    async def add_engine(self, spec: EngineSpec, warm: bool) -> dict[str, object]:
-        """An engine joins at runtime; warmed first when ``warm`` (and warm-up is on).
+    async def add_engine(
+        self, spec: EngineSpec, warm: bool, vllm_events: VllmEventSource | None = None
+    ) -> dict[str, object]:
+        """An engine joins at runtime; warmed first when ``warm`` (and warm-up is on). A vLLM
+        engine's KV events (``vllm_events``) are followed over ZMQ, as ``--vllm-kv-events``
+        does at start; any other engine's at ``/kv_events``.
 
         Raises:
             ValueError: if it is already in the pool.
         """
         assert self.pool is not None and self.follower is not None and self.warmer is not None
+        if spec.url in self.pool.by_url:
+            raise ValueError(f"engine {spec.url} is already in the pool")
         warm = warm and self.config.warm_max_prefixes > 0
+        if self.config.kv_events and vllm_events is not None:
+            self._follow_vllm(vllm_events)
         engine = await self.pool.add(spec, warming=warm)
-        if self.config.kv_events:
+        if self.config.kv_events and vllm_events is None:
             self.follower.follow(engine.url)
         if warm:
             self.warmer.start(engine)
@@ -236,10 +265,12 @@ def create_router_app(
             warm = body.get("warm", True)
             if not isinstance(warm, bool):
                 raise ValueError("'warm' must be true or false")
+            events = body.get("vllm_kv_events")
+            source = None if events is None else VllmEventSource.from_body(spec.url, events)
         except (ValueError, RouterConfigError) as e:
             return error_response(400, str(e), "invalid_engine")
         try:
-            added = await state.add_engine(spec, warm)
+            added = await state.add_engine(spec, warm, source)
         except ValueError as e:
             return error_response(409, str(e), "engine_exists")
         return JSONResponse(added, 201)

@@ -88,6 +88,32 @@ class VllmEventSource:
                 raise RouterConfigError(f"namespace file {opts['namespace']!r}: {e}") from None
         return cls(url, parts[0], opts.get("replay"), opts.get("topic", ""), namespace)
 
+    @classmethod
+    def from_body(cls, url: str, body: object) -> VllmEventSource:
+        """``POST /engines``' ``vllm_kv_events``: ``{"endpoint", "replay", "topic",
+        "namespace"}`` (the namespace as JSON, not a file: the router's host may not have it).
+
+        Raises:
+            RouterConfigError: naming what is wrong.
+        """
+        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str):
+            raise RouterConfigError("vllm_kv_events must be an object with an 'endpoint'")
+        unknown = set(body) - {"endpoint", "replay", "topic", "namespace"}
+        if unknown:
+            raise RouterConfigError(
+                f"unknown vllm_kv_events keys {sorted(unknown)} (endpoint, replay, topic, namespace)"
+            )
+        replay, topic = body.get("replay"), body.get("topic", "")
+        if not (replay is None or isinstance(replay, str)) or not isinstance(topic, str):
+            raise RouterConfigError("vllm_kv_events 'replay' and 'topic' must be strings")
+        namespace = None
+        if body.get("namespace") is not None:
+            try:
+                namespace = CacheNamespace.from_json(body["namespace"])
+            except (ValueError, TypeError, KeyError, AttributeError, ConfigError) as e:
+                raise RouterConfigError(f"vllm_kv_events namespace: {e}") from None
+        return cls(url, body["endpoint"], replay, topic, namespace)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", EngineSpec(self.engine).url)
         for name in ("endpoint", "replay_endpoint"):

@@ -46,6 +46,8 @@ class Engine:
             counts it (prompt + ``max_tokens`` each), oldest first.
         warming: Joined the router and is being warmed (``warmup.py``): not
             routed to until that is done or cancelled.
+        joined: Added at runtime (``POST /engines``), which decides its first warm-up.
+        was_up: Has passed a health check before.
     """
 
     url: str
@@ -57,6 +59,8 @@ class Engine:
     kv_capacity_tokens: int = 0
     reservations: list[Reservation] = field(default_factory=list)
     warming: bool = False
+    joined: bool = False
+    was_up: bool = False
 
     @property
     def load(self) -> int:
@@ -109,6 +113,9 @@ class EnginePool:
         timeout_s: A check slower than this fails.
         headers: Sent with every check (an API key).
         on_down: Called with an engine's URL when it is taken out.
+        on_up: Called with an engine when a health check puts it in (back), before
+            anything is routed to it — except an engine added at runtime on its first
+            check (whoever added it decides its warm-up).
         signals: Told of every attempt and ``/metrics`` scrape (scaling signals).
     """
 
@@ -122,6 +129,7 @@ class EnginePool:
         timeout_s: float,
         headers: dict[str, str] | None = None,
         on_down: Callable[[str], None] | None = None,
+        on_up: Callable[[Engine], None] | None = None,
         signals: RouterSignals | None = None,
     ) -> None:
         self.engines = [Engine(s.url, s.role) for s in specs]
@@ -132,6 +140,7 @@ class EnginePool:
         self._timeout = timeout_s
         self._headers = headers or {}
         self._on_down = on_down
+        self._on_up = on_up
         self._signals = signals
         self._task: asyncio.Task[None] | None = None
         for e in self.engines:
@@ -150,7 +159,7 @@ class EnginePool:
         """
         if spec.url in self.by_url:
             raise ValueError(f"engine {spec.url} is already in the pool")
-        engine = Engine(spec.url, spec.role, warming=warming)
+        engine = Engine(spec.url, spec.role, warming=warming, joined=True)
         self.engines.append(engine)
         self.by_url[engine.url] = engine
         self._metrics.healthy.labels(engine.url).set(0)
@@ -189,6 +198,9 @@ class EnginePool:
         engine.healthy = ok
         self._metrics.healthy.labels(engine.url).set(1 if ok else 0)
         if ok:
+            first, engine.was_up = not engine.was_up, True
+            if self._on_up is not None and not (first and engine.joined):
+                self._on_up(engine)
             log.warning("engine %s is back", engine.url)
         else:
             log.warning("engine %s is out (failed a health check or a request)", engine.url)

@@ -121,8 +121,10 @@ class VllmEventFollower:
         self._metrics = metrics
         self._namespaces = namespaces
         self._replay_timeout_s = replay_timeout_s
+        self._max_blocks = max_blocks
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
 
     # ---- applying ---------------------------------------------------------------------------
 
@@ -275,9 +277,25 @@ class VllmEventFollower:
 
     def start(self) -> None:
         """Starts one subscriber task per engine (call on the serving loop)."""
-        if not self._tasks:
+        if not self._started:
+            self._started = True
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._follow(s)) for s in self.streams.values()]
+
+    def add(self, source: VllmEventSource) -> None:
+        """Follows one more engine (it joined at runtime, ``POST /engines``); on the serving
+        loop. What its replay socket still buffers is applied first, as for a late joiner.
+
+        Raises:
+            ValueError: if its events are followed already.
+        """
+        if source.engine in self.streams:
+            raise ValueError(f"the KV events of {source.engine} are followed already")
+        s = self.streams[source.engine] = VllmStream(
+            source, VllmBlockMap(source.namespace, self._max_blocks)
+        )
+        if self._started:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._follow(s)))
 
     async def stop(self) -> None:
         """Stops following and closes the sockets."""
@@ -287,6 +305,7 @@ class VllmEventFollower:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+        self._started = False
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

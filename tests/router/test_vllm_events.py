@@ -325,3 +325,58 @@ def test_the_command_line_refuses_bad_event_sources(args: list[str], message: st
         main, ["router", "--model", "none", "--engine", "http://a:1", *args]
     )
     assert result.exit_code == 2 and message in result.output
+
+
+def test_a_vllm_engine_that_joins_at_runtime_is_followed_from_its_post_body(
+    tiny_model: Path,
+) -> None:
+    tokenizer = load_tokenizer(tiny_model)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a document only the joiner read. " * 8}],
+        "max_tokens": 2,
+    }
+    ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
+    assert ids is not None and len(ids) > 4 * B
+    whole = ids[: (len(ids) - 1) // B * B]
+    idle, vllm = FakeEngine("idle"), FakeEngine("vllm")
+    pub = FakeVllmPublisher(topic="kv")
+    config = RouterConfig(
+        engines=(EngineSpec(idle.url),), policy="cache_aware", health_interval_s=0.2,
+        events_wait_s=0.5,
+    )  # fmt: skip
+    events = {"endpoint": pub.endpoint, "replay": pub.replay_endpoint, "topic": "kv"}
+    try:
+        with BackgroundRouter(create_router_app(config, tokenizer)) as router:
+            for bad in ({"endpoint": "tcp://*:5557"}, {"endpoint": pub.endpoint, "x": 1}, "tcp://h:1",
+                        {"endpoint": pub.endpoint, "namespace": {"model_id": "m"}}):  # fmt: skip
+                r = httpx.post(router.url + "/engines", trust_env=False,
+                               json={"url": vllm.url, "vllm_kv_events": bad})  # fmt: skip
+                assert r.status_code == 400, (bad, r.text)
+            assert router.state.vllm_events is None  # nothing followed for a refused join
+            r = httpx.post(router.url + "/engines", trust_env=False,
+                           json={"url": vllm.url, "warm": False, "vllm_kv_events": events})  # fmt: skip
+            assert r.status_code == 201, r.text
+            followed = router.state.vllm_events
+            assert followed is not None and vllm.url in followed.streams
+            deadline = time.monotonic() + 30
+            while followed.streams[vllm.url].next_seq is None:
+                assert time.monotonic() < deadline
+                pub.publish([])
+                time.sleep(0.05)
+            pub.publish([block_stored([h(i) for i in range(len(whole) // B)], None, whole, B)])
+            while router.state.index.g1_size(vllm.url) < len(whole) // B:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            for _ in range(3):
+                r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30,
+                               trust_env=False)  # fmt: skip
+                assert r.status_code == 200 and r.headers["x-kvtier-engine"] == vllm.url
+            assert idle.served() == 0
+            r = httpx.post(router.url + "/engines", trust_env=False,
+                           json={"url": vllm.url, "vllm_kv_events": events})  # fmt: skip
+            assert r.status_code == 409
+    finally:
+        pub.close()
+        idle.close()
+        vllm.close()
