@@ -74,35 +74,55 @@ Lookup = concurrent.futures.Future[list[bool]]
 
 
 class Fetcher:
-    """A bounded pool of I/O threads for ``store.get`` and ``store.contains``, with a wake-up.
+    """Bounded pools of I/O threads for ``store.get`` and ``store.contains``, with a wake-up.
+
+    Lookups (``contains``) have threads of their own: on one shared pool a
+    request's lookup — a hit's too — queued behind every block group other
+    requests' loads had submitted (a 3,000-token prefix is five groups), so
+    while a cold engine loaded its first prefixes its hits waited for their
+    loads and, past ``lookup_timeout_s``, became misses that recomputed their
+    whole prompt (bench/RESULTS.md, "Warm start").
 
     Args:
         store: Where blocks come from.
-        workers: Threads.
+        workers: Threads for loads.
+        lookup_workers: Threads for lookups.
     """
 
-    def __init__(self, store: TieredStore, workers: int) -> None:
+    def __init__(self, store: TieredStore, workers: int, lookup_workers: int = 2) -> None:
         self._store = store
         self._workers = workers
+        self._lookup_workers = lookup_workers
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kvtier-load"
         )
+        self._lookup_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=lookup_workers, thread_name_prefix="kvtier-lookup"
+        )
         self._lock = threading.Lock()
-        # abandoned while running: they hold a thread
+        # abandoned while running: they hold a thread (of the loads' pool, of the lookups')
         self._stuck: set[concurrent.futures.Future[Any]] = set()
+        self._stuck_lookups: set[concurrent.futures.Future[Any]] = set()
+        self._lookups: set[concurrent.futures.Future[Any]] = set()  # running or queued
         self.wakeup = threading.Event()  # set whenever a fetch ends
 
     @property
     def saturated(self) -> bool:
-        """True when every thread is held by an abandoned fetch (a new one would never start)."""
+        """True when every load thread is held by an abandoned fetch (a new one would never start)."""
         with self._lock:
             return len(self._stuck) >= self._workers
 
     @property
-    def stuck(self) -> int:
-        """Threads held by abandoned fetches."""
+    def lookups_saturated(self) -> bool:
+        """True when every lookup thread is held by an abandoned lookup."""
         with self._lock:
-            return len(self._stuck)
+            return len(self._stuck_lookups) >= self._lookup_workers
+
+    @property
+    def stuck(self) -> int:
+        """Threads held by abandoned fetches and lookups."""
+        with self._lock:
+            return len(self._stuck) + len(self._stuck_lookups)
 
     def submit(self, keys: list[bytes], deadline: float) -> Fetch:
         """Starts ``store.get(keys, deadline=deadline)`` on a pool thread."""
@@ -111,8 +131,11 @@ class Fetcher:
         return future
 
     def submit_contains(self, keys: list[bytes], deadline: float) -> Lookup:
-        """Starts ``store.contains(keys, deadline=deadline)`` on a pool thread (a lookup)."""
-        future = self._pool.submit(self._contains, keys, deadline)
+        """Starts ``store.contains(keys, deadline=deadline)`` on a lookup thread."""
+        future = self._lookup_pool.submit(self._contains, keys, deadline)
+        with self._lock:
+            if not future.done():
+                self._lookups.add(future)
         future.add_done_callback(self._done)
         return future
 
@@ -121,10 +144,11 @@ class Fetcher:
         if future.cancel() or future.done():
             return
         with self._lock:
-            self._stuck.add(future)
+            (self._stuck_lookups if future in self._lookups else self._stuck).add(future)
         if future.done():  # it ended in between: its callback may have run already
             with self._lock:
                 self._stuck.discard(future)
+                self._stuck_lookups.discard(future)
 
     def _get(self, keys: list[bytes], deadline: float) -> list[bytes | None]:
         if time.monotonic() >= deadline:
@@ -139,11 +163,14 @@ class Fetcher:
     def _done(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._stuck.discard(future)
+            self._stuck_lookups.discard(future)
+            self._lookups.discard(future)
         self.wakeup.set()
 
     def shutdown(self) -> None:
         """Stops taking work; threads stuck in a tier are left to finish on their own."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

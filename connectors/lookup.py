@@ -4,7 +4,8 @@ The scheduler side (``scheduler_side.py``) asks for a request's stored
 prefix when its engine considers admitting it. The
 lookup is one batched ``contains`` per tier: microseconds for the CPU and
 disk tiers, a round trip for a network tier, and up to a timeout for a tier
-that has stopped answering. It runs on an I/O thread (the ``Fetcher``'s),
+that has stopped answering. It runs on a lookup thread (the ``Fetcher``'s own
+for lookups: never queued behind other requests' loads),
 and the scheduling thread waits for it at most ``WAIT_S``: a local tier's
 answer arrives within that, so its hit is admitted in the same step; a slow
 one leaves the request waiting — ``poll`` answers None, the adapter tells its
@@ -55,7 +56,7 @@ class AsyncLookups:
     """The lookups in flight, one per request.
 
     Args:
-        fetcher: The I/O threads the lookups run on (loads share them).
+        fetcher: The I/O threads (lookups have their own, so none waits behind a load).
         timeout_s: One lookup's deadline, retries included.
         metrics: ``kvtier_lookups_total`` and the ``lookup`` stage.
         quarantine: Keys never reported present (the verifier's), if any.
@@ -86,7 +87,7 @@ class AsyncLookups:
             _, keys = state.lookup_keys()
             if not keys:
                 return self._answer(state, keys, [])
-            if self._fetcher.saturated:  # every I/O thread is stuck on a tier: a miss
+            if self._fetcher.lookups_saturated:  # every lookup thread is stuck on a tier: a miss
                 self._count("refused")
                 return self._answer(state, keys, [False] * len(keys))
             deadline = time.monotonic() + self._timeout_s
