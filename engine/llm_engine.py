@@ -156,6 +156,8 @@ class LLMEngine:
         self.runner = ModelRunner(self._model, backend, config.block_size, self.device)
         self._num_requests = 0
         self._stats = EngineStats(kv_blocks_total=num_blocks)
+        if self.metrics is not None:  # the KV capacity from the start, not from the first step:
+            self.metrics.update(self._stats)  # a router sizes a fresh engine's warm-up by it
         self._trace = StepTrace.from_env()
         self.threads.tick(min_window_s=STARTUP_THREADS_WINDOW_S)  # decided over the start-up
 

@@ -212,3 +212,14 @@ def test_stats_never_report_idle_while_a_request_is_queued(engine: AsyncLLMEngin
 
     asyncio.run(main())
     _wait_idle(engine)
+
+
+def test_a_fresh_engine_reports_its_kv_capacity_before_its_first_step(tiny_llama: Path) -> None:
+    # a router sizes a joining engine's warm-up by it (router/warmup.py)
+    registry = CollectorRegistry()
+    eng = AsyncLLMEngine(_config(tiny_llama), metrics=EngineMetrics(registry))
+    try:
+        blocks = registry.get_sample_value("kvtier_engine_kv_blocks_total")
+        assert blocks is not None and blocks > 0 and blocks == eng.stats().kv_blocks_total
+    finally:
+        eng.shutdown()
