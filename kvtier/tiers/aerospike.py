@@ -2,34 +2,52 @@
 
 Layout (see :mod:`kvtier.tiers.aerospike_layout`): a block that fits under
 the namespace's ``max-record-size`` (minus a safety margin) is one record
-with one bin. A larger block is written as segment records first, under keys
-that carry a random per-write nonce, then as one manifest record under the
-chunk key. The manifest is the commit point:
+with one bin. A larger block is segment records, under keys that carry the
+chunk key's *canonical nonce* (derived from the key alone:
+:func:`~kvtier.tiers.aerospike_layout.canonical_nonce`), plus one manifest
+record under the chunk key that names them and holds the block's checksum.
+A put is **one request** (one ``batch_write``, split only above
+``max_batch_bytes``): single records, every segment and the manifest naming
+them, all create-only. What makes that safe:
 
-* A reader reads the chunk keys (one batch), then every segment of every
-  manifest it found (one more batch), reassembles and checks the xxh3
-  checksum. A manifest whose segments are missing or wrong is a miss; the
-  reader deletes it (only if its generation is unchanged, so a newer write
-  is never deleted) and the segments it names.
-* Manifests and single records are written create-only. When two writers of
-  one chunk race, both write their own segments (different nonces), one
-  manifest wins, and the loser — told "record exists" and seeing another
-  nonce in the manifest — deletes its own segments. Readers only ever see
-  complete writes.
-* A writer that dies between its segments and its manifest leaves segments
-  that no manifest names: nothing is readable, and the orphans expire with
-  their TTL (``ttl_s``; with ``-1`` they leak — see the config module).
+* A reader reads the chunk key and, when the tier knows the segment count,
+  the canonical segments in one batch (else the segments in a second one),
+  reassembles and checks the xxh3 checksum. A manifest whose segments are
+  missing or wrong is a miss, never wrong bytes. The server may apply the
+  rows of one request in any order, so such a manifest may be a write in
+  flight: the reader removes it (only if its generation is unchanged) and the
+  segments it names only when the server last wrote it longer ago than
+  ``cleanup_grace_s`` (a filter expression on the remove), never sooner.
+* A writer reads its rows' results: every segment created and the manifest
+  created is a stored block. A segment row that failed takes the writer's
+  manifest and created segments with it (removed; the put answers ``False``).
+  A manifest that already existed (another writer's) with none of our
+  segments created means the chunk is held: nothing was stored, the put
+  answers ``True`` (content addressing: a block is immutable). Segments we
+  created under an existing manifest are kept only if that manifest names
+  the canonical nonce and our checksum (the same bytes); otherwise they are
+  removed, and with another checksum the put answers ``False``.
+* Canonical segment keys that already held records under our new manifest
+  (a concurrent writer, or a dead writer's leftovers) are read back once: the
+  same bytes (engines often compute identical KV) and the block is complete;
+  other bytes and the writer writes its segments again under a random nonce
+  (:data:`~kvtier.tiers.aerospike_layout.NONCE_BYTES` of ``os.urandom``), which
+  no one else can name, and replaces its manifest with one naming them.
+* A writer that dies in its request can leave a manifest naming segments
+  that never landed: a miss, cleaned by the first reader after the grace;
+  segments without a manifest are invisible and expire with their TTL
+  (``ttl_s``; with ``-1`` they leak — see the config module).
 
-Write dedup (``skip_existing``, on by default): blocks are content-addressed
-and immutable, so ``put`` first asks which blocks the namespace already holds
-*complete* and uploads only the others. One batch read of the chunk keys
+Write dedup (``skip_existing``, off by default): blocks are content-addressed
+and immutable, so a put can first ask which blocks the namespace already holds
+*complete* and upload only the others — one more round trip for every put,
+which saves the upload of a held block. One batch read of the chunk keys
 fetches only the manifest bin (a single-record block answers with no bins:
 it is complete, a record is written whole); one batch exists of every
 segment the found manifests name follows. A segmented block counts as held
-only if all its segments are there: a write that died before its manifest
-left no manifest (so it is written again), and a manifest whose segments
-were evicted is removed (if unchanged since read) and the block written
-again. Skipped blocks count in ``kvtier_tier_puts_skipped_total``.
+only if all its segments are there. Skipped blocks count in
+``kvtier_tier_puts_skipped_total``. Without it a held block is found by the
+create-only write itself, which stores nothing, after its bytes travelled.
 
 Connection: the tier connects at construction. If the cluster cannot be
 reached then, construction still succeeds: the breaker is opened, calls
@@ -88,6 +106,7 @@ from typing import Any, TypeVar
 
 import aerospike
 from aerospike import exception as aerospike_exception
+from aerospike_helpers import expressions as exp
 from aerospike_helpers.batch.records import BatchRecords, Remove, Write
 from aerospike_helpers.operations import operations as as_ops
 
@@ -151,7 +170,18 @@ class _Row:
     key: bytes
     bin: str
     data: bytes
-    create_only: bool
+    mode: str  # "create" (create-only), "upsert" (create or replace), "replace" (replace only)
+    part: int = -1  # a segment's index in its block
+
+
+@dataclass
+class _Landed:
+    """What one put request did with a segmented block's records."""
+
+    created: list[bytes] = field(default_factory=list)  # segment keys this put created
+    taken: list[int] = field(default_factory=list)  # segments whose keys already held a record
+    failed: bool = False  # a segment row failed (not written)
+    manifest: int | None = None  # the manifest row's result code
 
 
 @dataclass
@@ -279,6 +309,15 @@ class AerospikeTier(Tier):
             "exists": aerospike.POLICY_EXISTS_CREATE_OR_REPLACE,
             "key": aerospike.POLICY_KEY_DIGEST,
         }
+        self._replace_only_row = {
+            "ttl": self._ttl,
+            "exists": aerospike.POLICY_EXISTS_REPLACE,
+            "key": aerospike.POLICY_KEY_DIGEST,
+        }
+        grace_ms = round(config.cleanup_grace_s * 1000)
+        self._stale_filter = (
+            exp.GT(exp.SinceUpdateTime(), grace_ms).compile() if grace_ms > 0 else None
+        )
         try:
             self.connect()
         except TransientError as e:
@@ -365,7 +404,7 @@ class AerospikeTier(Tier):
         return self._guard(lambda client: self._get(client, list(keys), deadline), deadline)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Single records and segments in one batch write, then the manifests in another.
+        """Single records, segments and manifests in one batch write (see the module docstring).
 
         Returns ``False`` for items dropped by stop-writes or failed rows.
 
@@ -812,11 +851,11 @@ class AerospikeTier(Tier):
         Missing or wrong segments make the manifest broken (cleaned up); a transient
         row failure is a miss without cleanup (the manifest may be fine).
         """
-        parts: list[bytes] = []
+        parts: list[bytes | bytearray] = []
         missing = failed = False
         for code, record in part_rows:
             if code == OK and record[2] and BIN_SEGMENT in record[2]:
-                parts.append(bytes(record[2][BIN_SEGMENT]))
+                parts.append(record[2][BIN_SEGMENT])  # joined once by assemble: no copy here
             elif code in (OK, NOT_FOUND):
                 missing = True
             else:
@@ -826,10 +865,13 @@ class AerospikeTier(Tier):
             return
         block = None if missing else m.assemble(parts)
         if block is None:
-            log.warning(
-                "aerospike tier %r: manifest with %s segments; deleting it",
+            # NOTE: info, not warning: a manifest whose segments are still in flight is
+            # one of these, and the cleanup spares it (cleanup_grace_s).
+            log.info(
+                "aerospike tier %r: manifest with %s segments; a miss, removed if older than %gs",
                 self.name,
                 "missing" if missing else "wrong",
+                self.config.cleanup_grace_s,
             )
             broken.append((key, gen, m))
             return
@@ -851,9 +893,9 @@ class AerospikeTier(Tier):
         records = []
         for key, gen, m in broken:
             self._stats.broken_manifest()
-            records.append(self._remove_record(key, gen))
+            records.append(self._remove_stale(key, gen))
             if m is not None:
-                records += [self._remove_record(k) for k in m.segment_keys(key)]
+                records += [self._remove_stale(k) for k in m.segment_keys(key)]
         try:
             self._write_batch(client, "cleanup", records, deadline)
         except TransientError as e:
@@ -924,17 +966,33 @@ class AerospikeTier(Tier):
         return codes
 
     def _write_record(self, row: _Row) -> tuple[Any, int]:
-        policy = self._create_row if row.create_only else self._replace_row
+        policy = {
+            "create": self._create_row,
+            "upsert": self._replace_row,
+            "replace": self._replace_only_row,
+        }[row.mode]
         return Write(self._akey(row.key), [as_ops.write(row.bin, row.data)], policy=policy), len(
             row.data
         )
 
     def _remove_record(self, key: bytes, generation: int | None = None) -> tuple[Any, int]:
+        """A remove of a record this put wrote itself (no conditions)."""
         if generation is None:
             return Remove(self._akey(key)), 0
         return Remove(
             self._akey(key), policy={"gen": aerospike.POLICY_GEN_EQ, "generation": generation}
         ), 0
+
+    def _remove_stale(self, key: bytes, generation: int | None = None) -> tuple[Any, int]:
+        """A reader's remove of another writer's record: only if unchanged since read
+        (``generation``) and, with ``cleanup_grace_s``, not written within it (the server's
+        clock: its write may still be in flight)."""
+        policy: dict[str, Any] = {}
+        if generation is not None:
+            policy.update(gen=aerospike.POLICY_GEN_EQ, generation=generation)
+        if self._stale_filter is not None:
+            policy["expressions"] = self._stale_filter
+        return Remove(self._akey(key), policy=policy or None), 0
 
     def _put(self, client: Any, items: list[tuple[bytes, bytes]]) -> list[bool]:
         limits = self._limits
@@ -948,65 +1006,52 @@ class AerospikeTier(Tier):
             if i in skip:
                 held[i] = True
             elif len(block) <= limits.segment_size:
-                rows.append(_Row(i, key, BIN_BLOCK, block, create_only=True))
+                rows.append(_Row(i, key, BIN_BLOCK, block, "create"))
             else:
                 m = Manifest.for_block(block, limits.segment_size, nonce=canonical_nonce(key))
                 segmented[i] = m
-                rows += self._segment_rows(i, key, block, m, create_only=True)
+                rows += self._segment_rows(i, key, block, m, "create")
+                rows.append(_Row(i, key, BIN_MANIFEST, m.encode(), "create"))
 
-        # Phase 1: single records and segments (create-only under the canonical nonce).
-        written: dict[int, list[bytes]] = {i: [] for i in segmented}
-        segments_ok = dict.fromkeys(segmented, True)
-        taken, too_big = self._write_rows(client, rows, held, written, segments_ok, dropped)
-        if taken:
-            # Another writer's (or a dead writer's) segments hold some canonical keys: remove
-            # the ones this put created, write again under random nonces no one else can name.
-            self._remove_orphans(client, [k for i in taken for k in written[i]])
-            rows = []
-            for i in sorted(taken):
-                key, block = items[i]
-                segmented[i] = replace(segmented[i], nonce=os.urandom(NONCE_BYTES))
-                written[i], segments_ok[i] = [], True
-                rows += self._segment_rows(i, key, block, segmented[i], create_only=False)
-            _, again_too_big = self._write_rows(client, rows, held, written, segments_ok, dropped)
-            too_big = too_big or again_too_big
-
-        # Phase 2: the manifests of blocks whose segments all landed (the commit point).
-        orphans = [k for i, ok in segments_ok.items() if not ok for k in written[i]]
-        commit = [i for i, ok in segments_ok.items() if ok]
-        if commit:
-            mrows = [
-                _Row(i, items[i][0], BIN_MANIFEST, segmented[i].encode(), create_only=True)
-                for i in commit
-            ]
-            # NOTE: if this call fails as a whole the manifests are in doubt: the
-            # segments are left to their TTL rather than deleted under a manifest
-            # that may have landed.
-            mcodes = self._write_batch(
-                client, "put_manifests", [self._write_record(r) for r in mrows]
-            )
-            raced = []
-            for row, code in zip(mrows, mcodes, strict=True):
-                if code == OK:
-                    held[row.index] = True
-                    self._segment_guess = segmented[row.index].n_segments
-                    self._stats.segmented("put")
-                elif code == EXISTS:
-                    held[row.index] = True
-                    raced.append(row.index)
-                elif code == STOP_WRITES:
-                    dropped.add(row.index)
-                    orphans += written[row.index]
-                elif code == TOO_BIG:
-                    too_big = True
-                    orphans += written[row.index]
+        # One request: single records, and every segment followed by the manifest naming it,
+        # all create-only under the canonical nonce. A reader that finds the manifest before
+        # its segments landed misses (and cleans up only after cleanup_grace_s).
+        landed, too_big = self._write_rows(client, rows, held, dropped)
+        orphans: list[bytes] = []
+        taken: list[int] = []
+        raced: list[int] = []
+        for i, m in segmented.items():
+            got = landed[i]
+            if got.manifest == OK:
+                if got.failed:  # our manifest names a segment that did not land
+                    orphans += [items[i][0], *got.created]
+                elif got.taken:  # canonical keys not all ours: kept only if they hold our bytes
+                    taken.append(i)
                 else:
-                    self._row_failed(code)  # in doubt: leave the segments to their TTL
-            if raced:
-                lost, unheld = self._lost_races(client, items, segmented, written, raced)
-                orphans += lost
-                for i in unheld:
-                    held[i] = False
+                    held[i] = True
+                    self._segment_guess = m.n_segments
+                    self._stats.segmented("put")
+            elif got.manifest == EXISTS:
+                if got.created:
+                    raced.append(i)
+                else:
+                    held[i] = True  # nothing of ours landed: the chunk is another writer's
+            elif got.manifest in (STOP_WRITES, TOO_BIG):
+                orphans += got.created  # the manifest did not land
+            # else: the manifest is in doubt: the segments are left to their TTL rather
+            # than deleted under a manifest that may have landed.
+        if taken:
+            taken = self._not_ours(client, items, segmented, landed, taken, held)
+        if taken:
+            again_too_big = self._move_to_random_nonces(
+                client, items, segmented, landed, taken, held, dropped, orphans
+            )
+            too_big = too_big or again_too_big
+        if raced:
+            lost, unheld = self._lost_races(client, items, segmented, landed, raced)
+            orphans += lost
+            for i in raced:
+                held[i] = i not in unheld and not landed[i].failed
         if orphans:
             self._remove_orphans(client, orphans)
         if dropped:
@@ -1016,54 +1061,129 @@ class AerospikeTier(Tier):
             raise error_for(TOO_BIG, "record too big", namespace=self.config.namespace)
         return held
 
+    def _not_ours(
+        self,
+        client: Any,
+        items: list[tuple[bytes, bytes]],
+        segmented: dict[int, Manifest],
+        landed: dict[int, _Landed],
+        taken: list[int],
+        held: list[bool],
+    ) -> list[int]:
+        """Of the blocks whose manifest landed but some of whose canonical segment keys
+        already held records, the ones where those records are not this block's bytes.
+
+        One batch read of those segments: a concurrent writer of the same bytes (engines
+        often compute identical KV) made them, and the block is complete as it is; other
+        bytes (another writer's, a dead writer's) or no answer: not ours. The others are
+        held.
+        """
+        keys: list[bytes] = []
+        want: list[tuple[int, bytes]] = []  # (item, expected bytes) per key read
+        for i in taken:
+            key, block = items[i]
+            m = segmented[i]
+            seg_keys = m.segment_keys(key)
+            size = m.segment_size
+            for j in landed[i].taken:
+                keys.append(seg_keys[j])
+                want.append((i, block[j * size : (j + 1) * size]))
+        try:
+            rows = self._read_rows(
+                client, "put_check_segments", keys, [BIN_SEGMENT], self._exists_policy
+            )
+        except TransientError as e:
+            log.debug("aerospike tier %r: cannot read taken segments: %s", self.name, e)
+            return taken
+        differ: set[int] = set()
+        for (i, expected), (code, record) in zip(want, rows, strict=True):
+            bins = record[2] if code == OK and record else None
+            if not bins or bins.get(BIN_SEGMENT) != expected:
+                differ.add(i)
+        for i in taken:
+            if i not in differ:
+                held[i] = True
+                self._segment_guess = segmented[i].n_segments
+                self._stats.segmented("put")
+        return [i for i in taken if i in differ]
+
+    def _move_to_random_nonces(
+        self,
+        client: Any,
+        items: list[tuple[bytes, bytes]],
+        segmented: dict[int, Manifest],
+        landed: dict[int, _Landed],
+        taken: list[int],
+        held: list[bool],
+        dropped: set[int],
+        orphans: list[bytes],
+    ) -> bool:
+        """Our manifest landed but some canonical segment keys held another writer's (or a dead
+        writer's) records: write the segments again under a random nonce no one else can name
+        and replace our manifest with one naming them, in one request. The canonical segments
+        this put created become orphans. Returns whether a record was too big."""
+        rows: list[_Row] = []
+        for i in taken:
+            key, block = items[i]
+            segmented[i] = replace(segmented[i], nonce=os.urandom(NONCE_BYTES))
+            rows += self._segment_rows(i, key, block, segmented[i], "upsert")
+            rows.append(_Row(i, key, BIN_MANIFEST, segmented[i].encode(), "replace"))
+        again, too_big = self._write_rows(client, rows, held, dropped)
+        for i in taken:
+            got, first = again[i], landed[i]
+            orphans += first.created
+            if got.manifest == OK and not got.failed:
+                held[i] = True
+                self._stats.segmented("put")
+            else:  # remove ours: a manifest naming segments that are not all there, or none
+                orphans += [items[i][0], *got.created]
+        return too_big
+
     @staticmethod
-    def _segment_rows(
-        i: int, key: bytes, block: bytes, m: Manifest, create_only: bool
-    ) -> list[_Row]:
+    def _segment_rows(i: int, key: bytes, block: bytes, m: Manifest, mode: str) -> list[_Row]:
         return [
-            _Row(i, seg_key, BIN_SEGMENT, part, create_only=create_only)
-            for seg_key, part in zip(m.segment_keys(key), m.split(block), strict=True)
+            _Row(i, seg_key, BIN_SEGMENT, part, mode, j)
+            for j, (seg_key, part) in enumerate(
+                zip(m.segment_keys(key), m.split(block), strict=True)
+            )
         ]
 
     def _write_rows(
-        self,
-        client: Any,
-        rows: list[_Row],
-        held: list[bool],
-        written: dict[int, list[bytes]],
-        segments_ok: dict[int, bool],
-        dropped: set[int],
-    ) -> tuple[set[int], bool]:
-        """One batch write of single records and segments, its results into ``held``,
-        ``written``, ``segments_ok`` and ``dropped``.
+        self, client: Any, rows: list[_Row], held: list[bool], dropped: set[int]
+    ) -> tuple[dict[int, _Landed], bool]:
+        """One batch write of single records, segments and manifests (split only by
+        ``max_batch_bytes`` / ``max_batch_keys``); single records' results into ``held`` and
+        ``dropped``.
 
-        Returns the items a segment of which already existed (canonical keys taken) and
-        whether a record was too big.
+        Returns what landed of each segmented item, and whether a record was too big.
         """
+        landed: dict[int, _Landed] = {}
         if not rows:
-            return set(), False
+            return landed, False
         codes = self._write_batch(client, "put", [self._write_record(r) for r in rows])
-        taken: set[int] = set()
         too_big = False
         for row, code in zip(rows, codes, strict=True):
-            if code == OK or (code == EXISTS and row.bin == BIN_BLOCK):
-                if row.bin == BIN_BLOCK:
+            got = landed.setdefault(row.index, _Landed()) if row.bin != BIN_BLOCK else None
+            if got is not None and row.bin == BIN_MANIFEST:
+                got.manifest = code
+            if code == OK or (code == EXISTS and row.bin != BIN_SEGMENT):
+                if got is None:
                     held[row.index] = True
-                else:
-                    written[row.index].append(row.key)
+                elif row.bin == BIN_SEGMENT:
+                    got.created.append(row.key)
                 continue
-            if row.bin == BIN_SEGMENT:
+            if got is not None and row.bin == BIN_SEGMENT:
                 if code == EXISTS:
-                    taken.add(row.index)
+                    got.taken.append(row.part)
                     continue
-                segments_ok[row.index] = False
+                got.failed = True
             if code == STOP_WRITES:
                 dropped.add(row.index)
             elif code == TOO_BIG:
                 too_big = True
-            else:
+            elif not (code == NOT_FOUND and row.mode == "replace"):
                 self._row_failed(code)
-        return taken, too_big
+        return landed, too_big
 
     def _held_complete(self, client: Any, items: list[tuple[bytes, bytes]]) -> set[int]:
         """Indices of ``items`` the namespace already holds complete (see the module docstring).
@@ -1116,18 +1236,20 @@ class AerospikeTier(Tier):
         client: Any,
         items: list[tuple[bytes, bytes]],
         segmented: dict[int, Manifest],
-        written: dict[int, list[bytes]],
+        landed: dict[int, _Landed],
         raced: list[int],
     ) -> tuple[list[bytes], list[int]]:
-        """After "record exists" on manifests: the segments safe to delete, and the items
-        the namespace does not hold after all.
+        """After "record exists" on manifests of blocks some of whose segments this put
+        created: the segments safe to delete, and the items the namespace does not hold.
 
-        Another writer's manifest (another nonce) won: our segments are orphans, the
-        key is held. A manifest with our nonce is ours (a retried, in-doubt write that
-        had landed) — or, with the canonical nonce, an older writer's whose segments
-        were evicted before our put re-created them: then its checksum is not ours,
-        it names our bytes as its segments (a reader would find them wrong and clean
-        it up), and our put did not store the block.
+        Another writer's manifest (a random nonce) won: our segments are orphans, the
+        key is held. A manifest with the canonical nonce and our checksum names the same
+        bytes (another writer of the same block, or our own in-doubt attempt that had
+        landed): the segments we created are part of it, the key is held. With the
+        canonical nonce and another checksum (an older writer's manifest whose segments
+        were evicted before our put re-created some, or a concurrent writer of other
+        bytes): our segments would make it wrong, so they go, and our put did not store
+        the block. A manifest gone by the time we read it: not held.
         """
         try:
             rows = self._read_rows(
@@ -1144,7 +1266,8 @@ class AerospikeTier(Tier):
         unheld: list[int] = []
         for i, (code, record) in zip(raced, rows, strict=True):
             if code != OK:
-                continue  # gone again, or unknown: leave our segments to their TTL
+                unheld.append(i)  # gone again, or unknown: leave our segments to their TTL
+                continue
             bins = record[2] or {}
             raw = bins.get(BIN_MANIFEST)
             try:
@@ -1153,9 +1276,9 @@ class AerospikeTier(Tier):
                 theirs = None
             ours = segmented[i]
             if theirs is None or theirs.nonce != ours.nonce:
-                lost += written[i]
+                lost += landed[i].created
             elif (theirs.checksum, theirs.length) != (ours.checksum, ours.length):
-                lost += written[i]
+                lost += landed[i].created
                 unheld.append(i)
         return lost, unheld
 

@@ -168,10 +168,20 @@ class AerospikeTierConfig(BaseModel):
         description="with recency=read_touch: touch reads within this % of end of life",
     )
     skip_existing: bool = Field(
-        True,
+        False,
         description="before uploading, ask which blocks the namespace already holds complete "
         "(one batch read of the chunk keys' manifest bin, one batch exists of the segments they "
-        "name) and send only the others",
+        "name) and send only the others: saves the upload of a held block, costs every put one "
+        "round trip first (off: a held block is still found by the create-only write, which "
+        "stores nothing, after its bytes travelled)",
+    )
+    cleanup_grace_s: float = Field(
+        60.0,
+        ge=0,
+        description="a reader removes a manifest whose segments are missing or wrong only if "
+        "the server last wrote it longer ago than this (a put sends a manifest with its "
+        "segments, so a younger one may be a write in flight); keep it above every writer's "
+        "write_timeout_ms (0: at once, for a single writer)",
     )
     usage_refresh_s: float = Field(
         10.0, ge=0, description="usage() asks the server at most this often (0: every call)"
@@ -192,6 +202,12 @@ class AerospikeTierConfig(BaseModel):
             )
         if self.segment_size is not None and self.segment_size > self.max_batch_bytes:
             raise ValueError("segment_size must not exceed max_batch_bytes")
+        if 0 < self.cleanup_grace_s * 1000 < self.write_timeout_ms:
+            raise ValueError(
+                f"cleanup_grace_s ({self.cleanup_grace_s}) must be 0 or at least write_timeout_ms "
+                f"({self.write_timeout_ms} ms): a reader could remove a manifest whose write is "
+                "still in flight"
+            )
         return self
 
     def host_list(self) -> list[tuple[str, int]]:

@@ -24,21 +24,22 @@ block's first bytes (its kvtier header)::
     40     2     head length (min(64, block length))
     42     ...   head: the block's first bytes
 
-A manifest only ever names segments its own writer wrote. A writer first
-tries the chunk key's **canonical nonce** (:func:`canonical_nonce`, derived
-from the key alone) and writes its segments create-only: if every one was
-created, they are its own, and a reader who knows the key can ask for the
-manifest and the segments in one batch. If any already existed (another
-writer of the chunk, or orphans of a dead one), the writer removes the ones
-it created and writes its segments again under a random nonce, which no one
-else can name. Primary and segment keys have different lengths, so they can
-never collide.
+A manifest names segments that hold its block's bytes. A writer first tries
+the chunk key's **canonical nonce** (:func:`canonical_nonce`, derived from the
+key alone) and writes its segments create-only, with its manifest in the same
+request: a reader who knows the key can then ask for the manifest and the
+segments in one batch. Segments it created are its own; any that already
+existed (another writer of the chunk, or orphans of a dead one) it reads back
+once: the same bytes are kept, other bytes make it write its segments again
+under a random nonce, which no one else can name, and replace its manifest.
+Primary and segment keys have different lengths, so they can never collide.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -164,7 +165,7 @@ class Manifest:
         size = self.segment_size
         return [block[i * size : (i + 1) * size] for i in range(self.n_segments)]
 
-    def assemble(self, segments: list[bytes]) -> bytes | None:
+    def assemble(self, segments: Sequence[bytes | bytearray]) -> bytes | None:
         """Join segments back into the block; ``None`` if lengths, head or checksum disagree."""
         if len(segments) != self.n_segments:
             return None

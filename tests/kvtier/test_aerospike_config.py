@@ -27,6 +27,8 @@ def test_defaults() -> None:
     assert c.namespace == "kvcache" and c.set_name == "kvblocks"
     assert c.host_list() == [("127.0.0.1", 3000)]
     assert c.segment_size is None
+    assert c.skip_existing is False  # a put is one request; a held block is found by it
+    assert c.cleanup_grace_s * 1000 >= c.write_timeout_ms
 
 
 @pytest.mark.parametrize(
@@ -84,6 +86,8 @@ def test_byte_sizes_accept_units() -> None:
         {"namespace": ""},
         {"unknown_key": 1},
         {"type": "disk"},
+        {"cleanup_grace_s": -1},
+        {"cleanup_grace_s": 1, "write_timeout_ms": 2000},  # could remove a write in flight
     ],
 )
 def test_bad_values_are_rejected(kwargs: dict[str, object]) -> None:

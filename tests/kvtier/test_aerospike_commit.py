@@ -1,0 +1,178 @@
+"""The Aerospike tier's one-request put: segments and the manifest naming them in one batch.
+
+A reader can therefore meet a manifest whose segments have not landed yet (a write in
+flight) or never will (a writer that died, a segment row that failed). These tests pin
+what makes that safe: such a read is a miss, never wrong bytes; a reader removes such a
+manifest only once the server last wrote it longer ago than ``cleanup_grace_s``; a writer
+whose segment failed removes its own manifest; concurrent writers of one chunk leave
+exactly one writer's complete block. They run against the test run's real server (the
+grace is a server-side filter expression, which the emulator does not evaluate).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier.tiers.aerospike import AerospikeTier
+from kvtier.tiers.aerospike_config import AerospikeTierConfig
+from kvtier.tiers.aerospike_errors import STOP_WRITES
+from kvtier.tiers.aerospike_layout import (
+    BIN_MANIFEST,
+    BIN_SEGMENT,
+    Manifest,
+    canonical_nonce,
+    segment_key,
+)
+from tests.support.aerospike_target import InProcessTarget, Target, make_target
+from tests.support.timeouts import aerospike_timeouts
+
+KiB = 1024
+SEG = 16 * KiB
+
+
+@pytest.fixture
+def target() -> Iterator[Target]:
+    t = make_target()
+    if isinstance(t, InProcessTarget):
+        t.close()
+        pytest.skip("needs a real server: the cleanup grace is a filter expression")
+    yield t
+    t.close()
+
+
+def make_tier(target: Target, **overrides: Any) -> AerospikeTier:
+    overrides.setdefault("set_name", target.set_name)
+    overrides.setdefault("namespace", target.namespace)
+    overrides.setdefault("segment_size", SEG)
+    for name, value in aerospike_timeouts().items():
+        overrides.setdefault(name, value)
+    return AerospikeTier(AerospikeTierConfig(hosts=[target.address], **overrides))
+
+
+def rand_bytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def manifest_of(tier: AerospikeTier, key: bytes) -> Manifest:
+    ((code, rec),) = tier._read_rows(
+        tier._client, "test", [key], [BIN_MANIFEST], tier._exists_policy
+    )
+    assert code == 0
+    return Manifest.decode(rec[2][BIN_MANIFEST])
+
+
+def test_a_put_is_one_request_of_segments_and_manifest(target: Target) -> None:
+    tier = make_tier(target)
+    key, block = os.urandom(16), rand_bytes(100 * KiB, 1)
+    before = tier.stats().round_trips
+    assert tier.put([(key, block)]) == [True]
+    assert tier.stats().round_trips - before == 1
+    assert manifest_of(tier, key).nonce == canonical_nonce(key)
+    assert target.record_count() == 7 + 1
+    assert make_tier(target).get([key]) == [block]
+    tier.close()
+
+
+def test_a_reader_never_removes_a_write_in_flight(target: Target) -> None:
+    """The writer's manifest lands before its segments (the server may apply the rows of
+    one request in any order): a reader then misses, and must not remove what the writer
+    is about to acknowledge."""
+    writer, reader = make_tier(target), make_tier(target)  # reader: cleanup_grace_s 60
+    key, block = os.urandom(16), rand_bytes(200 * KiB, 2)
+    seen: list[bytes | None] = []
+    real = writer._write_batch
+
+    def manifest_first(client, op, records, deadline=None):
+        if op != "put":
+            return real(client, op, records, deadline)
+        *segments, manifest = records
+        first = real(client, op, [manifest], deadline)
+        seen.extend(reader.get([key]))  # the manifest is there, no segment yet
+        return real(client, op, segments, deadline) + first
+
+    writer._write_batch = manifest_first  # type: ignore[method-assign]
+    assert writer.put([(key, block)]) == [True]
+    assert seen == [None]
+    assert reader.stats().broken_manifests == 1
+    assert reader.get([key]) == [block]  # acknowledged, and still there
+    for t in (writer, reader):
+        t.close()
+
+
+def test_a_failed_segment_takes_the_writers_manifest_with_it(target: Target) -> None:
+    """One segment row of the request fails (stop-writes on its node) while the manifest
+    lands: the put answers False and removes its manifest and the segments it created."""
+    tier = make_tier(target)
+    key, block = os.urandom(16), rand_bytes(100 * KiB, 3)
+    real = tier._write_batch
+
+    def one_row_refused(client, op, records, deadline=None):
+        if op != "put":
+            return real(client, op, records, deadline)
+        codes = real(client, op, records[:2] + records[3:], deadline)
+        return [*codes[:2], STOP_WRITES, *codes[2:]]
+
+    tier._write_batch = one_row_refused  # type: ignore[method-assign]
+    assert tier.put([(key, block)]) == [False]
+    assert tier.stats().stop_writes_drops == 1
+    assert target.record_count() == 0
+    assert make_tier(target).get([key]) == [None]
+    tier._write_batch = real  # type: ignore[method-assign]
+    assert tier.put([(key, block)]) == [True]
+    assert make_tier(target).get([key]) == [block]
+    tier.close()
+
+
+def test_taken_canonical_segments_with_our_bytes_are_kept(target: Target) -> None:
+    """A canonical segment key already holds this block's own bytes (a concurrent writer of
+    the same KV): the writer checks them and keeps its canonical manifest, no orphans."""
+    tier = make_tier(target)
+    key, block = os.urandom(16), rand_bytes(60 * KiB, 4)
+    target.overwrite(segment_key(key, canonical_nonce(key), 1), BIN_SEGMENT, block[SEG : 2 * SEG])
+    assert tier.put([(key, block)]) == [True]
+    assert manifest_of(tier, key).nonce == canonical_nonce(key)
+    assert target.record_count() == 4 + 1
+    assert tier.stats().orphan_cleanups == 0
+    assert make_tier(target).get([key]) == [block]
+    tier.close()
+
+
+def race(writers: list[AerospikeTier], key: bytes, blocks: list[bytes]) -> dict[int, bool]:
+    """Every writer puts its block under ``key`` at once; what each put answered."""
+    start = threading.Barrier(len(writers))
+    results: dict[int, bool] = {}
+
+    def put(w: int) -> None:
+        start.wait()
+        results[w] = writers[w].put([(key, blocks[w])])[0]
+
+    threads = [threading.Thread(target=put, args=(w,)) for w in range(len(writers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return results
+
+
+def test_concurrent_puts_of_one_key_with_different_bytes(target: Target) -> None:
+    """Four writers store other bytes under one key at once, eight times over: every read
+    returns exactly one writer's block, at least one put answers True, and no orphan
+    segment is left behind."""
+    writers = [make_tier(target) for _ in range(4)]
+    reader = make_tier(target)
+    for r in range(8):
+        key = os.urandom(16)
+        blocks = [rand_bytes(90 * KiB, 100 * r + w) for w in range(len(writers))]
+        results = race(writers, key, blocks)
+        assert len(results) == len(writers) and any(results.values())
+        (got,) = reader.get([key])
+        assert got in blocks, f"round {r}: a mix or a miss"
+        assert target.record_count() == (r + 1) * (6 + 1), f"round {r}: orphans left"
+    for t in [*writers, reader]:
+        t.close()
