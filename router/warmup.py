@@ -89,19 +89,23 @@ class HotPrefixes:
 
     def hottest(self, budget_tokens: int | None, max_prefixes: int) -> list[list[int]]:
         """The prefixes worth most (hits x length) within a token budget (None: no budget);
-        a prefix another chosen one starts with is left out (it comes with it)."""
+        a prefix another chosen one starts with is left out (it comes with it), and one that
+        extends a chosen one takes its place (G1 holds the longer once: the budget counts
+        only what it adds)."""
         ranked = sorted(self._hot.items(), key=lambda kv: (kv[1].hits * kv[1].tokens, kv[1].tokens))
         chosen: list[bytes] = []
         used = 0
         for key, h in reversed(ranked):
-            if len(chosen) >= max_prefixes:
-                break
             if any(c.startswith(key) for c in chosen):
                 continue
-            if budget_tokens is not None and used + h.tokens > budget_tokens:
+            extended = [c for c in chosen if key.startswith(c)]
+            adds = h.tokens - sum(len(c) // 4 for c in extended)
+            if budget_tokens is not None and used + adds > budget_tokens:
                 continue
-            chosen.append(key)
-            used += h.tokens
+            if not extended and len(chosen) >= max_prefixes:
+                continue
+            chosen = [c for c in chosen if c not in extended] + [key]
+            used += adds
         return [array("I", c).tolist() for c in chosen]
 
 

@@ -85,3 +85,18 @@ def test_a_cold_join_stays_cold_and_a_warm_one_gets_what_fits_its_g1() -> None:
     finally:
         for e in (a, cold, small):
             e.close()
+
+
+def test_a_hot_prefix_that_extends_a_chosen_one_takes_its_place() -> None:
+    from kvtier.router.warmup import HotPrefixes
+
+    hot = HotPrefixes(capacity=8)
+    doc = list(range(3000, 3100))
+    for _ in range(3):
+        hot.observe(doc, 64)  # the G1 hit: whole blocks of the document
+    hot.observe(doc, 96)  # the shared tier's hit of the same document: longer
+    other = list(range(5000, 5040))
+    hot.observe(other, 40)
+    assert hot.hottest(None, 8) == [doc[:96], other]  # one request per document
+    assert hot.hottest(136, 8) == [doc[:96], other]  # 96 + 40 tokens, not 64 + 96 + 40
+    assert hot.hottest(100, 8) == [doc[:96]]
