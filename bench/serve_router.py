@@ -34,7 +34,10 @@ its process group is killed by PID. Counts from the router (``GET
 **Warm start** (``warm_start``, ``bench/lib/router_warm.py``): a fresh
 replica joins the router (``POST /engines``) without, then with warm-up,
 and replaces the engine before it; TTFT of the requests it serves in its
-first minute.
+first minute. The fleet's hot set: ``--warm-documents`` (8) documents of
+``--warm-document-tokens`` (3,000) on engines of ``--warm-kv-tokens``
+(64,000); the first design was ``--warm-documents 4 --warm-document-tokens
+1200 --warm-prime-rounds 4 --warm-kv-tokens 16000``.
 
 **P/D** (``pd``, bundled engine only; the same two engines started again
 for each mode, the kvtier connector on a new ``kvtier serve`` each):
@@ -128,6 +131,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2.0,
         help="arrivals while a joined replica is measured (2: more than one engine serves here)",
     )
+    ap.add_argument(
+        "--warm-documents",
+        type=int,
+        default=8,
+        help="hot documents (shared prefixes) of the warm-start phase",
+    )
+    ap.add_argument(
+        "--warm-document-tokens",
+        type=int,
+        default=3000,
+        help="tokens of each (the first design: 4 documents of 1,200)",
+    )
+    ap.add_argument(
+        "--warm-prime-rounds",
+        type=int,
+        default=3,
+        help="times each document is asked while priming the fleet",
+    )
+    ap.add_argument(
+        "--warm-window-s",
+        type=float,
+        default=60.0,
+        help="the measured window after each join (the bar: its first minute)",
+    )
+    ap.add_argument("--warm-kv-tokens", type=int, default=64_000,
+                    help="G1 of each engine in the warm-start phase, tokens (first design: "
+                    "16,000)")  # fmt: skip
     ap.add_argument("--pd-requests", type=int, default=None, help="default 16 (--quick 10)")
     ap.add_argument("--pd-prompt-tokens", type=int, default=1500)
     ap.add_argument("--pd-answer-tokens", type=int, default=48)
@@ -312,7 +342,15 @@ def run_warm_start(
     from kvtier.bench.lib.router_warm import WarmLoad
     from kvtier.bench.lib.router_warm import run_warm_start as drive
 
-    load = WarmLoad(qps=args.warm_qps, seed=args.seed)
+    load = WarmLoad(
+        documents=args.warm_documents,
+        document_tokens=args.warm_document_tokens,
+        prime_rounds=args.warm_prime_rounds,
+        qps=args.warm_qps,
+        kv_tokens=args.warm_kv_tokens,
+        window_s=args.warm_window_s,
+        seed=args.seed,
+    )
     return drive(opts, workdir / "warm-start", load, count, args, say)
 
 

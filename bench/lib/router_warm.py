@@ -2,19 +2,21 @@
 
 One engine (the fleet) with the kvtier connector on a ``kvtier serve`` cache
 server, behind ``kvtier router --policy cache_aware``. **Priming**: questions
-about a few hot documents (each a shared prefix), so the fleet's G1, the
-shared tier and the router's hit statistics know them. Then, twice:
+about the fleet's hot documents (each a shared prefix; every document asked
+``prime_rounds`` times, in a shuffled order), so the fleet's G1, the shared
+tier and the router's hit statistics know them all. Then, twice:
 
 1. a fresh engine (the same build, connector on the same tier) is started
    and joins through ``POST /engines`` — ``"warm": false`` the first time,
    ``"warm": true`` the second (then the phase waits until ``GET
    /warm_start`` says it is no longer warming: it takes no traffic before);
+   a vLLM joiner brings its ZMQ KV events in the body (``vllm_kv_events``);
 2. it **replaces** the engine before it: that one is killed while idle and
    the phase waits until the router has taken it out, so the new replica
-   takes all the traffic (a rolling replacement; with the old engine still
-   in, the router would keep the hot prefixes where they are, and it cannot
-   score a vLLM replica that joined at runtime: its KV events are given at
-   start, ``--vllm-kv-events``);
+   takes all the traffic at once (a rolling replacement, or a replica that
+   replaces a failed one under load; with the old engine still in, the
+   router would keep the hot prefixes where they are and the joiner would
+   see a share of the misses that depends on routing, not on warm-up);
 3. for ``window_s`` (a minute) new questions about the same documents
    arrive at ``qps``; **TTFT of the requests the new replica answered**
    (``x-kvtier-engine``): its first minute.
@@ -23,7 +25,22 @@ Each pass asks its own questions (another seed), so the second does not
 find the first one's prompts in the tier. A cold replica loads each hot
 document from the tier at its first request for it, and its first requests
 pay what a fresh process pays once (its first forward passes); a warmed one
-did both during warm-up, before it took traffic.
+did both during warm-up, before it took traffic. Per request the JSON keeps
+its arrival, document, TTFT and whether it was the replica's first request
+for its document (``first_for_document``: a cold replica's tier load).
+
+**The workload** (``WarmLoad``; the first design, kept as ``--warm-documents
+4 --warm-document-tokens 1200``, had 4 hot documents of 1,200 tokens: only 4
+of a cold replica's 120 requests were misses, each one local tier load of
+~0.15 s, so both replicas' TTFT p99 was set by Poisson queueing, not by
+warm-up). A replica joins a fleet that serves many shared prefixes, and
+those are long: RAG documents and agent or tool system prompts of 2-4k
+tokens, several per tenant. The default is 8 hot documents of 3,000 tokens
+(24k tokens: the hot set no single request shows), a G1 per engine of
+``kv_tokens`` (64,000: the router warms at most ``--warm-fraction`` 0.5 of
+it, and the 8 documents fit) and a context of ``max_model_len`` 4,096.
+Everything else (questions of 24 tokens, answers of 16, 2 req/s, one
+minute) is as before; the same seeds give the same window questions.
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +59,7 @@ import httpx
 
 from kvtier.bench.lib.router_failover import Stream, stream_request
 from kvtier.bench.lib.router_fleet import (
+    EngineProcess,
     FleetOptions,
     RouterProcess,
     engine_process,
@@ -54,27 +72,72 @@ from kvtier.bench.lib.serve_workloads import TextMaker, poisson_arrivals
 
 @dataclass(frozen=True)
 class WarmLoad:
-    """Hot documents, the priming and the measured window."""
+    """Hot documents, the priming and the measured window (the reasons: module docstring)."""
 
-    documents: int = 4
-    document_tokens: int = 1200
+    documents: int = 8
+    document_tokens: int = 3000
     question_tokens: int = 24
     answer_tokens: int = 16
-    prime_requests: int = 16
+    prime_rounds: int = 3  # every document is asked this many times while priming
     qps: float = 2.0
     window_s: float = 60.0
+    kv_tokens: int = 64_000  # G1 per engine
+    max_model_len: int = 4096
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.documents < 1 or self.prime_rounds < 2:
+            raise ValueError("at least one document, primed at least twice (a hit counts)")
+        if self.document_tokens + self.question_tokens + self.answer_tokens + 64 > (
+            self.max_model_len
+        ):
+            raise ValueError(f"a {self.document_tokens}-token document needs a larger "
+                             f"max_model_len than {self.max_model_len}")  # fmt: skip
+
+
+def _prime_order(load: WarmLoad, rng: random.Random) -> list[int]:
+    """Every document ``prime_rounds`` times, shuffled: each is hot, none by chance alone."""
+    order = [d for d in range(load.documents) for _ in range(load.prime_rounds)]
+    rng.shuffle(order)
+    return order
 
 
 def _questions(
-    maker: TextMaker, docs: list[str], n: int, tokens: int, rng: random.Random
-) -> list[list[dict[str, str]]]:
-    out = []
-    for _ in range(n):
-        doc = docs[rng.randrange(len(docs))]
+    maker: TextMaker, docs: list[str], n: int, tokens: int, rng: random.Random,
+    order: list[int] | None = None,
+) -> tuple[list[list[dict[str, str]]], list[int]]:  # fmt: skip
+    """``n`` questions, each on a document (``order``, else a random one); and which."""
+    out, which = [], []
+    for i in range(n):
+        d = order[i] if order is not None else rng.randrange(len(docs))
         question = maker.text(tokens, rng)
-        out.append([{"role": "system", "content": doc}, {"role": "user", "content": question}])
-    return out
+        out.append([{"role": "system", "content": docs[d]}, {"role": "user", "content": question}])
+        which.append(d)
+    return out, which
+
+
+def _per_request(
+    streams: list[Stream], which: list[int], at: list[float], joiner: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each request the joiner answered (arrival, document, TTFT, first for its document) and
+    the TTFT of first requests against the others."""
+    seen: set[int] = set()
+    rows = []
+    for s, d, t in zip(streams, which, at, strict=False):
+        if s.engine != joiner or s.ttft_s is None:
+            continue
+        rows.append({"at_s": round(t, 3), "document": d, "ttft_s": round(s.ttft_s, 4),
+                     "first_for_document": d not in seen})  # fmt: skip
+        seen.add(d)
+    first = [r["ttft_s"] for r in rows if r["first_for_document"]]
+    rest = [r["ttft_s"] for r in rows if not r["first_for_document"]]
+    split = {
+        "first_for_document": {"requests": len(first), "ttft_p50_s": percentile(first, 50),
+                               "ttft_max_s": max(first, default=None)},
+        "later": {"requests": len(rest), "ttft_p50_s": percentile(rest, 50),
+                  "ttft_p99_s": percentile(rest, 99)},
+    }  # fmt: skip
+    return rows, split
 
 
 async def _send_all(
@@ -97,12 +160,15 @@ async def _send_all(
     return streams
 
 
-def _join(router_url: str, engine_url: str, warm: bool, deadline_s: float) -> dict[str, Any]:
+def _join(router_url: str, engine: EngineProcess, warm: bool, deadline_s: float) -> dict[str, Any]:
     """Adds the engine to the router; with ``warm``, waits until it takes traffic."""
-    r = httpx.post(
-        router_url + "/engines", json={"url": engine_url, "warm": warm}, timeout=30.0,
-        trust_env=False,
-    )  # fmt: skip
+    engine_url = engine.url
+    body: dict[str, Any] = {"url": engine_url, "warm": warm}
+    events = engine.info.get("kv_events_config")  # vLLM: its ZMQ KV events
+    if events:
+        body["vllm_kv_events"] = {"endpoint": events["endpoint"],
+                                  "replay": events["replay_endpoint"]}  # fmt: skip
+    r = httpx.post(router_url + "/engines", json=body, timeout=30.0, trust_env=False)
     if r.status_code != 201:
         raise RuntimeError(f"POST /engines answered {r.status_code}: {r.text[:300]}")
     t0 = time.monotonic()
@@ -138,20 +204,23 @@ def run_warm_start(
 ) -> dict[str, Any]:
     """Runs the phase; returns ``{"with": {...}, "without": {...}, ...}``."""
     workdir.mkdir(parents=True, exist_ok=True)
+    opts = replace(opts, max_model_len=max(opts.max_model_len, load.max_model_len))
     maker = TextMaker(count)
     rng = random.Random(f"{load.seed}:warm-docs")
     docs = [maker.text(load.document_tokens, rng) for _ in range(load.documents)]
     out: dict[str, Any] = {"workload": vars(load)}
     with ExitStack() as stack:
-        config = stack.enter_context(shared_tier(workdir))
+        config = stack.enter_context(shared_tier(workdir, capacity=4 << 30))
         fleet = stack.enter_context(
-            engine_process(opts, workdir, "fleet0", args.fleet_kv_tokens, connector=config)
+            engine_process(opts, workdir, "fleet0", load.kv_tokens, connector=config)
         )
         router = stack.enter_context(
             RouterProcess([(fleet, "both")], "cache_aware", workdir / "router.log")
         )
-        say(f"warm start: fleet engine up at {fleet.url}; priming {load.prime_requests} requests")
-        prime = _questions(maker, docs, load.prime_requests, load.question_tokens, rng)
+        order = _prime_order(load, rng)
+        say(f"warm start: fleet engine up at {fleet.url}; priming {len(order)} requests "
+            f"on {load.documents} documents of {load.document_tokens} tokens")  # fmt: skip
+        prime, _ = _questions(maker, docs, len(order), load.question_tokens, rng, order)
         arrivals = poisson_arrivals(load.qps, len(prime), random.Random(f"{load.seed}:prime"))
         primed = asyncio.run(
             _send_all(router.url, prime, arrivals, load.answer_tokens, args.request_timeout_s)
@@ -160,18 +229,17 @@ def run_warm_start(
         previous = fleet
         for variant, warm in (("without", False), ("with", True)):
             joiner = stack.enter_context(
-                engine_process(
-                    opts, workdir, f"joiner-{variant}", args.fleet_kv_tokens, connector=config
-                )
-            )
-            state = _join(router.url, joiner.url, warm, 120.0)
+                engine_process(opts, workdir, f"joiner-{variant}", load.kv_tokens,
+                               connector=config)
+            )  # fmt: skip
+            state = _join(router.url, joiner, warm, 120.0)
             say(f"  {variant} warm-up: {joiner.url} joined ({state.get('state', 'cold')})")
             # it replaces the engine before it (killed while idle), so it takes all the traffic
             previous.kill()
             _wait_out(router.url, previous.url, 30.0)
             n = max(1, round(load.qps * load.window_s))
             qrng = random.Random(f"{load.seed}:warm-{variant}")
-            msgs = _questions(maker, docs, n, load.question_tokens, qrng)
+            msgs, which = _questions(maker, docs, n, load.question_tokens, qrng)
             at = poisson_arrivals(load.qps, n, random.Random(f"{load.seed}:at-{variant}"))
             at = [t for t in at if t < load.window_s] or at[:1]
             streams = asyncio.run(
@@ -180,9 +248,12 @@ def run_warm_start(
             )  # fmt: skip
             mine = [s for s in streams if s.engine == joiner.url and s.ttft_s is not None]
             ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
+            rows, split = _per_request(streams, which, at, joiner.url)
             out[variant] = {
                 "requests": len(mine),
                 "ttft_s": ttft,  # in arrival order
+                "per_request": rows,
+                "by_first_for_document": split,
                 "joiner_counters": run_metrics(scrape(joiner.url) or {}),  # since it started
                 "errors": sum(1 for s in streams if s.error is not None),
                 "sent": len(streams),
