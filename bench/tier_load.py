@@ -35,7 +35,10 @@ so they see the same load and the same moments of a host that other work
 keeps busy. A row gathers 4 rounds (~120 calls with ``--quick``, ~400
 without): GB/s (bytes over the time spent
 inside calls, per client, times N), p50/p99/p99.9 latency of the calls,
-p99/p50. With fewer than 1,000 samples p99.9 is the largest one.
+p99/p50. With fewer than 1,000 samples p99.9 is the largest one. For the
+Aerospike tier a row also has ``round_trips_per_call`` and ``own_p50_ms`` /
+``own_p99_ms``: each call's time outside its round trips (client calls), i.e.
+the tier's own work (checksum, splitting, joining) — where its time goes.
 
 ``node_kill`` (with ``aerospike``): 8 client processes put and get SmolLM2
 chunks through the tier (its own timeouts) on the 2-node cluster; node 1 is killed (SIGKILL),
@@ -90,6 +93,10 @@ class Phase:
     """One row's measurements, gathered over its rounds."""
 
     latencies: list[float] = field(default_factory=list)
+    own_s: list[float] = field(
+        default_factory=list
+    )  # per call: the tier's time outside round trips
+    round_trips: int = 0
     busy_s: float = 0.0  # time inside calls, summed over clients
     moved: int = 0  # bytes of the timed calls
     clients: int = 1
@@ -101,6 +108,8 @@ class Phase:
         for per_store in results:
             r = per_store[label]
             self.latencies += r.latencies
+            self.own_s += r.own_s
+            self.round_trips += r.round_trips
             self.busy_s += r.busy_s
             self.moved += r.moved
             self.errors += r.errors
@@ -141,6 +150,19 @@ def row(tier: str, nodes: int, block: bytes, op: str, clients: int, phase: Phase
         "p99_over_p50": round(p99 / p50, 2) if p50 else None,
         "errors": phase.errors,
         "wrong": phase.wrong,
+        **_own(phase),
+    }
+
+
+def _own(phase: Phase) -> dict[str, Any]:
+    """For the Aerospike tier: round trips per call, and the p50/p99 of each call's time
+    outside its round trips (the tier's own work: checksum, split, join)."""
+    if not phase.own_s:
+        return {}
+    return {
+        "round_trips_per_call": round(phase.round_trips / len(phase.own_s), 2),
+        "own_p50_ms": round(percentile(phase.own_s, 0.5) * 1e3, 2),
+        "own_p99_ms": round(percentile(phase.own_s, 0.99) * 1e3, 2),
     }
 
 
@@ -191,6 +213,12 @@ def measure(
                         f"{r['tier']:14s} nodes {nodes} {name:9s} {op} x{n:<3d} "
                         f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  "
                         f"{r['gbps']:.2f} GB/s  errors {r['errors']}"
+                        + (
+                            f"  round trips/call {r['round_trips_per_call']}  own p50 "
+                            f"{r['own_p50_ms']} ms p99 {r['own_p99_ms']} ms"
+                            if "own_p50_ms" in r
+                            else ""
+                        )
                     )
         for store in group:
             driver.delete(store, store[2])

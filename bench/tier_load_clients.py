@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -103,10 +104,30 @@ class LoadClient(Protocol):
 
 
 class TierClient:
-    """A kvtier tier as a :class:`LoadClient` (one key per call, as an engine's chunk)."""
+    """A kvtier tier as a :class:`LoadClient` (one key per call, as an engine's chunk).
+
+    ``client_s`` and ``round_trips``: for a tier with ``_round_trip`` (the Aerospike
+    tier), the seconds spent inside its round trips (client calls, their retries and
+    backoffs) and their count, summed over calls: a call's time outside them is the
+    tier's own work (checksums, splitting, joining). Zero for other tiers.
+    """
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
+        self.client_s = 0.0
+        self.round_trips = 0
+        real = getattr(tier, "_round_trip", None)
+        if real is not None:
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.client_s += time.perf_counter() - t0
+                    self.round_trips += 1
+
+            tier._round_trip = timed  # type: ignore[attr-defined]
 
     def put(self, key: bytes, block: bytes) -> bool:
         return self.tier.put([(key, block)])[0]

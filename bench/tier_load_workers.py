@@ -45,6 +45,8 @@ class PhaseResult:
     """What one client measured of one store in one phase."""
 
     latencies: list[float] = field(default_factory=list)
+    own_s: list[float] = field(default_factory=list)  # per call: time outside round trips
+    round_trips: int = 0
     busy_s: float = 0.0
     moved: int = 0
     errors: int = 0
@@ -107,6 +109,8 @@ def run_client(
             obj = bound_to(block, key)  # untimed: what the writer encoded
         else:
             key = pool[(ci + j // len(group)) % len(pool)]
+        timed = client if isinstance(client, TierClient) else None
+        in_rt, n_rt = (timed.client_s, timed.round_trips) if timed else (0.0, 0)
         t0 = time.perf_counter()
         try:
             got = client.put(key, obj) if op == "put" else client.get(key)
@@ -116,6 +120,9 @@ def run_client(
         took = time.perf_counter() - t0
         res.busy_s += took
         res.latencies.append(took)
+        if timed is not None and timed.round_trips > n_rt:
+            res.own_s.append(took - (timed.client_s - in_rt))
+            res.round_trips += timed.round_trips - n_rt
         res.moved += len(block)
         if op == "put":
             if got is not True:
