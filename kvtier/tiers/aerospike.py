@@ -24,15 +24,17 @@ them, all create-only. What makes that safe:
   A manifest that already existed (another writer's) with none of our
   segments created means the chunk is held: nothing was stored, the put
   answers ``True`` (content addressing: a block is immutable). Segments we
-  created under an existing manifest are kept only if that manifest names
-  the canonical nonce and our checksum (the same bytes); otherwise they are
-  removed, and with another checksum the put answers ``False``.
+  created under an existing manifest: under a random-nonce manifest they are
+  orphans (removed, ``True``); under the canonical nonce with our checksum
+  they are part of that block (``True``); with another checksum the put
+  answers ``False`` and leaves them to that manifest's writer (below).
 * Canonical segment keys that already held records under our new manifest
   (a concurrent writer, or a dead writer's leftovers) are read back once: the
   same bytes (engines often compute identical KV) and the block is complete;
   other bytes and the writer writes its segments again under a random nonce
   (:data:`~kvtier.tiers.aerospike_layout.NONCE_BYTES` of ``os.urandom``), which
-  no one else can name, and replaces its manifest with one naming them.
+  no one else can name, replaces its manifest with one naming them, and
+  removes every canonical segment of the chunk (no manifest names them).
 * A writer that dies in its request can leave a manifest naming segments
   that never landed: a miss, cleaned by the first reader after the grace;
   segments without a manifest are invisible and expire with their TTL
@@ -1118,24 +1120,32 @@ class AerospikeTier(Tier):
         dropped: set[int],
         orphans: list[bytes],
     ) -> bool:
-        """Our manifest landed but some canonical segment keys held another writer's (or a dead
-        writer's) records: write the segments again under a random nonce no one else can name
-        and replace our manifest with one naming them, in one request. The canonical segments
-        this put created become orphans. Returns whether a record was too big."""
+        """Our manifest landed but some canonical segment keys held other bytes (another
+        writer's, a dead writer's): write the segments again under a random nonce no one else
+        can name and replace our manifest with one naming them, in one request.
+
+        Then no manifest names the chunk's canonical segments: all of them are removed, the
+        ones this put created and the ones it found (every row a concurrent writer created
+        landed before ours found it; that writer, seeing our canonical manifest with
+        another checksum, leaves them to us). Returns whether a record was too big."""
         rows: list[_Row] = []
+        canonical: dict[int, list[bytes]] = {}
         for i in taken:
             key, block = items[i]
+            canonical[i] = segmented[i].segment_keys(key)
             segmented[i] = replace(segmented[i], nonce=os.urandom(NONCE_BYTES))
             rows += self._segment_rows(i, key, block, segmented[i], "upsert")
             rows.append(_Row(i, key, BIN_MANIFEST, segmented[i].encode(), "replace"))
         again, too_big = self._write_rows(client, rows, held, dropped)
         for i in taken:
-            got, first = again[i], landed[i]
-            orphans += first.created
+            got = again[i]
             if got.manifest == OK and not got.failed:
+                orphans += canonical[i]
                 held[i] = True
                 self._stats.segmented("put")
-            else:  # remove ours: a manifest naming segments that are not all there, or none
+            elif got.manifest == NOT_FOUND:  # ours is gone (evicted): nothing names these
+                orphans += got.created
+            else:  # remove ours: a manifest naming segments that are not all there
                 orphans += [items[i][0], *got.created]
         return too_big
 
@@ -1246,10 +1256,13 @@ class AerospikeTier(Tier):
         key is held. A manifest with the canonical nonce and our checksum names the same
         bytes (another writer of the same block, or our own in-doubt attempt that had
         landed): the segments we created are part of it, the key is held. With the
-        canonical nonce and another checksum (an older writer's manifest whose segments
-        were evicted before our put re-created some, or a concurrent writer of other
-        bytes): our segments would make it wrong, so they go, and our put did not store
-        the block. A manifest gone by the time we read it: not held.
+        canonical nonce and another checksum our put did not store the block; our
+        segments stay: a concurrent writer whose manifest that is reads back the keys it
+        did not create, keeps those holding its own bytes (ours may, where the blocks
+        agree) and otherwise moves to a random nonce and removes every canonical segment;
+        an older writer's manifest whose segments were evicted now names bytes that fail
+        its checksum, and a reader removes it and them after the grace. A manifest gone
+        by the time we read it: not held.
         """
         try:
             rows = self._read_rows(
@@ -1278,7 +1291,6 @@ class AerospikeTier(Tier):
             if theirs is None or theirs.nonce != ours.nonce:
                 lost += landed[i].created
             elif (theirs.checksum, theirs.length) != (ours.checksum, ours.length):
-                lost += landed[i].created
                 unheld.append(i)
         return lost, unheld
 

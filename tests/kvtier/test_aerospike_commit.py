@@ -143,6 +143,34 @@ def test_taken_canonical_segments_with_our_bytes_are_kept(target: Target) -> Non
     tier.close()
 
 
+def test_a_segment_the_winner_kept_is_not_removed_by_the_loser(target: Target) -> None:
+    """Writers A and B store blocks that agree in segment 1 and differ in segment 0. B's
+    segment 1 lands first; A's request finds it taken, reads it back (its own bytes) and
+    keeps it under A's manifest. B's manifest then loses: B's put answers False and must
+    leave its segment 1 alone — A's block needs it."""
+    a, b = make_tier(target), make_tier(target)
+    key = os.urandom(16)
+    block_a = rand_bytes(60 * KiB, 6)
+    block_b = bytes([block_a[0] ^ 0xFF]) + block_a[1:]  # segment 0 differs
+    real = b._write_batch
+
+    def a_in_between(client, op, records, deadline=None):
+        if op != "put":
+            return real(client, op, records, deadline)
+        first = real(client, op, [records[1]], deadline)  # B's segment 1 lands
+        assert a.put([(key, block_a)]) == [True]
+        rest = real(client, op, [records[0], *records[2:]], deadline)
+        return [rest[0], *first, *rest[1:]]
+
+    b._write_batch = a_in_between  # type: ignore[method-assign]
+    assert b.put([(key, block_b)]) == [False]
+    assert manifest_of(a, key).nonce == canonical_nonce(key)
+    assert make_tier(target).get([key]) == [block_a]
+    assert target.record_count() == 4 + 1
+    for t in (a, b):
+        t.close()
+
+
 def race(writers: list[AerospikeTier], key: bytes, blocks: list[bytes]) -> dict[int, bool]:
     """Every writer puts its block under ``key`` at once; what each put answered."""
     start = threading.Barrier(len(writers))
