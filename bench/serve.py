@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="users joining per second on the small-KV systems (default: calibrated for a G1 "
-        "that keeps only the system prompt)",
+        "that keeps only the system prompt and decodes as many users as it holds at once)",
     )
     su.add_argument("--think-s", type=float, default=1.0, help="pause before a user's next round")
     su.add_argument(
@@ -498,7 +498,8 @@ def print_report(
             c = plan.calibration
             print(
                 f"calibration: prefill {c['prefill_tokens_per_s']:.0f} tok/s, decode "
-                f"{c['decode_tokens_per_s']:.0f} tok/s at batch {c['decode_batch']} "
+                f"{c['decode_tokens_per_s']:.0f} tok/s at batch {c['decode_batch']}, "
+                f"{c['small_decode_tokens_per_s']:.0f} at batch {c['small_decode_batch']} "
                 f"(bundled engine, {c['dtype']}); offered load {args.sustained_load:g}"
             )
         print(sustained_table(sustained))
@@ -530,25 +531,30 @@ def resolve_sustained(args: argparse.Namespace, plan: Plan, count: Callable[[str
         return
     if args.user_rate is None or (args.sustained and args.small_user_rate is None):
         print(f"calibrating this host's speed ({plan.dtype}, bundled engine) ...", flush=True)
-        cal = calibrate(plan.dtype)
-        plan.calibration = cal.to_dict()
         probe = sustained_config(args, 1.0, args.seed)
+        # NOTE: a small G1 holds this many users' last rounds at once, so it decodes them in
+        # batches of that size at most
+        small_batch = max(1, min(8, args.small_kv_tokens // probe.longest_prompt_tokens))
+        cal = calibrate(plan.dtype, small_decode_batch=small_batch)
+        plan.calibration = cal.to_dict()
 
-        def rate(prefill_tokens: int) -> float:
+        def rate(prefill_tokens: int, decode_tokens_per_s: float) -> float:
             return sustained_user_rate(
                 prefill_tokens,
                 probe.generated_tokens_per_user,
                 cal.prefill_tokens_per_s,
-                cal.decode_tokens_per_s,
+                decode_tokens_per_s,
                 args.sustained_load,
             )
 
         if args.user_rate is None:
-            args.user_rate = rate(probe.prefill_tokens_per_user)
+            args.user_rate = rate(probe.prefill_tokens_per_user, cal.decode_tokens_per_s)
         small = ""
         if args.sustained:
             if args.small_user_rate is None:
-                args.small_user_rate = rate(probe.uncached_prefill_tokens_per_user)
+                args.small_user_rate = rate(
+                    probe.uncached_prefill_tokens_per_user, cal.small_decode_tokens_per_s
+                )
             small = f" ({args.small_user_rate:.3g} on the small-KV systems)"
         print(
             f"  prefill {cal.prefill_tokens_per_s:.0f} tok/s, decode {cal.decode_tokens_per_s:.0f}"

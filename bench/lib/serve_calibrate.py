@@ -5,10 +5,12 @@ so a slow and a fast CPU get the same offered load relative to what they can
 compute. The speed is measured once per run, before any system starts, with
 the bundled engine in this process (the dtype of the systems under test, all
 cores): the prefill speed of a cold 2,000-token prompt (distinct text, no
-cache hit, the median of two) and the decode speed of 8 concurrent requests.
-A user of the sustained workload costs ``prefill tokens / prefill speed +
-generated tokens / decode speed`` seconds of engine time; users join at
-``load / that cost`` per second (:func:`sustained_user_rate`).
+cache hit, the median of two) and the decode speed of 8 concurrent requests,
+and of as many as a small KV budget holds at once (``small_decode_batch``:
+the small-KV systems decode their users one or two at a time). A user of the
+sustained workload costs ``prefill tokens / prefill speed + generated tokens
+/ decode speed`` seconds of engine time; users join at ``load / that cost``
+per second (:func:`sustained_user_rate`).
 
 dtype: every engine runs at the dtype that is fastest on this host. That is
 bfloat16 only where the CPU computes it natively (AVX512-BF16 or AMX-BF16 in
@@ -66,6 +68,8 @@ class Calibration:
     decode_batch: int
     decode_context: int
     decode_tokens_per_s: float
+    small_decode_batch: int
+    small_decode_tokens_per_s: float
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -80,6 +84,8 @@ class Calibration:
             "decode_batch": self.decode_batch,
             "decode_context_tokens": self.decode_context,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "small_decode_batch": self.small_decode_batch,
+            "small_decode_tokens_per_s": self.small_decode_tokens_per_s,
         }
 
 
@@ -89,6 +95,7 @@ def calibrate(
     tokens: int = 2000,
     samples: int = 2,
     decode_batch: int = 8,
+    small_decode_batch: int = 1,
     decode_steps: int = 24,
     threads: int | None = None,
 ) -> Calibration:
@@ -97,12 +104,13 @@ def calibrate(
     Prefill: cold prompts of ``tokens`` tokens, ``max_tokens=1``, median of
     ``samples``. Decode: ``decode_batch`` requests with distinct prompts of
     ``tokens // 2`` tokens, timed over ``decode_steps`` steps once every one
-    of them decodes (tokens produced / seconds).
+    of them decodes (tokens produced / seconds); the same with
+    ``small_decode_batch`` requests.
 
     Raises:
         ValueError: for fewer than 64 tokens, no samples or no decode steps.
     """
-    if tokens < 64 or samples < 1 or decode_batch < 1 or decode_steps < 1:
+    if tokens < 64 or samples < 1 or min(decode_batch, small_decode_batch) < 1 or decode_steps < 1:
         raise ValueError("calibration needs >= 64 tokens, one sample and one decode step")
     from kvtier.engine import LLM, SamplingParams
 
@@ -126,19 +134,28 @@ def calibrate(
         t0 = time.perf_counter()
         llm.generate(text, one)
         times.append(time.perf_counter() - t0)
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
-    for i in range(decode_batch):
-        engine.add_request(maker.text(context, random.Random(f"calibrate-decode-{i}")), params)
-    started: set[str] = set()
-    while len(started) < decode_batch:  # prefills, until every request has its first token
-        started.update(o.request_id for o in engine.step())
-    produced = engine.stats().generation_tokens
-    t0 = time.perf_counter()
-    for _ in range(decode_steps):
-        engine.step()
-    decode_s = time.perf_counter() - t0
-    produced = engine.stats().generation_tokens - produced
-    while engine.has_unfinished():
-        engine.step()
+
+    def decode_speed(batch: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
+        for i in range(batch):
+            text = maker.text(context, random.Random(f"calibrate-decode-{batch}-{i}"))
+            engine.add_request(text, params)
+        started: set[str] = set()
+        while len(started) < batch:  # prefills, until every request has its first token
+            started.update(o.request_id for o in engine.step())
+        produced = engine.stats().generation_tokens
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            engine.step()
+        decode_s = time.perf_counter() - t0
+        produced = engine.stats().generation_tokens - produced
+        while engine.has_unfinished():
+            engine.step()
+        return produced / decode_s
+
+    decode = decode_speed(decode_batch)
+    small = decode if small_decode_batch == decode_batch else decode_speed(small_decode_batch)
     engine.shutdown()
-    return Calibration(dtype, tokens, times, decode_batch, context, produced / decode_s)
+    return Calibration(
+        dtype, tokens, times, decode_batch, context, decode, small_decode_batch, small
+    )

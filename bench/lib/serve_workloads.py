@@ -23,7 +23,8 @@ later. The server's actual answers go back into the lane's history.
   prompt tokens a big G1 computes for the big-KV systems
   (``prefill_tokens_per_user``) and with those a G1 that keeps only the
   system prompt computes for the small-KV ones
-  (``uncached_prefill_tokens_per_user``), which therefore get fewer users.
+  (``uncached_prefill_tokens_per_user``) and decodes only as many users at
+  once as it holds, which therefore get fewer users.
 * ``doc-qa``: a pool of ``documents`` documents of ``min_tokens`` to
   ``max_tokens`` tokens (never a multiple of 16, so no prompt lines up with
   a block or chunk boundary); ``questions`` independent requests, each about
@@ -316,6 +317,15 @@ class SustainedConfig:
         first = self.context_tokens + self.question_tokens + 8
         per_round = self.answer_tokens + self.question_tokens + 8 + 8
         return self.rounds * first + per_round * self.rounds * (self.rounds - 1) // 2
+
+    @property
+    def longest_prompt_tokens(self) -> int:
+        """About the tokens of a user's last round: system prompt, context, every earlier
+        exchange and the new question, with the chat template's few tokens per message."""
+        exchanges = self.rounds * (self.question_tokens + 8) + (self.rounds - 1) * (
+            self.answer_tokens + 8
+        )
+        return self.system_tokens + 8 + self.context_tokens + exchanges
 
     @property
     def generated_tokens_per_user(self) -> int:

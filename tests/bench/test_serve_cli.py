@@ -152,3 +152,16 @@ def test_sustained_run_reports_each_systems_user_rate(
     assert sustained["user_rate"] == 3.0 and sustained["small_user_rate"] == 1.0
     assert sustained["systems"]["target"]["user_rate"] == 3.0  # a target is not a small system
     assert "users/s" in out
+
+
+@pytest.mark.smollm2
+def test_calibration_measures_both_decode_batches() -> None:
+    from kvtier.bench.lib.serve_calibrate import calibrate
+
+    cal = calibrate("float32", tokens=300, samples=1, decode_batch=2, decode_steps=2)
+    out = cal.to_dict()
+    assert out["decode_batch"] == 2 and out["small_decode_batch"] == 1
+    assert out["decode_tokens_per_s"] > 0 and out["small_decode_tokens_per_s"] > 0
+    assert cal.prefill_tokens_per_s > 0
+    with pytest.raises(ValueError):
+        calibrate("float32", small_decode_batch=0)

@@ -238,3 +238,11 @@ def test_a_small_g1_recomputes_each_users_history_every_round() -> None:
     rounds = [first + r * exchange for r in range(cfg.rounds)]
     assert cfg.uncached_prefill_tokens_per_user == sum(rounds)
     assert cfg.uncached_prefill_tokens_per_user > 3 * cfg.prefill_tokens_per_user
+
+
+def test_a_small_budget_holds_one_last_round_at_a_time() -> None:
+    cfg = SustainedConfig(user_rate=1.0)
+    last = cfg.longest_prompt_tokens
+    assert cfg.system_tokens + cfg.context_tokens + cfg.rounds * cfg.question_tokens < last
+    assert 4096 // last == 1  # the quick run's small budget: one user decodes at a time
+    assert 46592 // last > 8
