@@ -1,6 +1,6 @@
 """Multi-user serving: a load generator for OpenAI-compatible servers, and the systems it compares.
 
-    python -m bench.serve --quick                          # 5 systems, the reference workload (< 10 min)
+    python -m bench.serve --quick                          # 5 systems, reference + sustained (< 20 min)
     python -m bench.serve --target http://127.0.0.1:8000   # any running server
     python -m bench.serve --systems kvtier,kvtier_small_g1,kvtier_small_g1_cpu_tier
     python -m bench.serve --systems kvtier,vllm --sweep-qps 0.3,0.6,1.2
