@@ -160,6 +160,17 @@ async def _send_all(
     return streams
 
 
+def _connector_counts(samples: dict[Any, float]) -> dict[str, float]:
+    """The joiner's connector lookups and loads by outcome (the bundled engine's /metrics)."""
+    out = {}
+    for (name, labels), value in samples.items():
+        if name.startswith(("kvtier_lookups", "kvtier_load_tokens")) and not name.endswith(
+            "_created"
+        ):
+            out[name + "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"] = value
+    return out
+
+
 def _join(router_url: str, engine: EngineProcess, warm: bool, deadline_s: float) -> dict[str, Any]:
     """Adds the engine to the router; with ``warm``, waits until it takes traffic."""
     engine_url = engine.url
@@ -249,12 +260,14 @@ def run_warm_start(
             mine = [s for s in streams if s.engine == joiner.url and s.ttft_s is not None]
             ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
             rows, split = _per_request(streams, which, at, joiner.url)
+            samples = scrape(joiner.url) or {}
             out[variant] = {
                 "requests": len(mine),
                 "ttft_s": ttft,  # in arrival order
                 "per_request": rows,
                 "by_first_for_document": split,
-                "joiner_counters": run_metrics(scrape(joiner.url) or {}),  # since it started
+                "joiner_counters": run_metrics(samples),  # since it started
+                "joiner_connector": _connector_counts(samples),
                 "errors": sum(1 for s in streams if s.error is not None),
                 "sent": len(streams),
                 "ttft_p50_s": percentile(ttft, 50),
