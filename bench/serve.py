@@ -637,7 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_plots and sweeps:
         plots = plot(sweeps, plan.main_qps, args.plots_dir)
         if sustained:
-            plots.append(plot_cdf(sustained, "TTFT CDF, sustained", args.plots_dir / SUSTAINED_CDF))
+            rated = {f"{n} ({p['user_rate']:.3g} users/s)": p for n, p in sustained.items()}
+            plots.append(plot_cdf(rated, "TTFT CDF, sustained", args.plots_dir / SUSTAINED_CDF))
     if args.records is not None:
         args.records.write_text("".join(json.dumps(r) + "\n" for r in records))
     if failed or args.keep_logs:

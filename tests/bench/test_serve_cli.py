@@ -143,7 +143,7 @@ def test_sustained_run_reports_each_systems_user_rate(
                 "--target", fake.url, "--users", "1", "--rounds", "1", "--qps", "50",
                 "--system-tokens", "20", "--context-tokens", "20", "--answer-tokens", "2",
                 "--sustained", "--user-rate", "3", "--small-user-rate", "1", "--sustained-s", "2",
-                "--think-s", "0", "--no-plots",
+                "--think-s", "0", "--plots-dir", str(tmp_path),
             ]
         )  # fmt: skip
     out = capsys.readouterr().out
@@ -152,6 +152,7 @@ def test_sustained_run_reports_each_systems_user_rate(
     assert sustained["user_rate"] == 3.0 and sustained["small_user_rate"] == 1.0
     assert sustained["systems"]["target"]["user_rate"] == 3.0  # a target is not a small system
     assert "users/s" in out
+    assert (tmp_path / "serve-sustained-ttft-cdf.png").stat().st_size > 0
 
 
 @pytest.mark.smollm2
