@@ -292,11 +292,12 @@ def profile(probe: Probe, samples: int) -> dict[str, Any]:
     api_s = sum(cpu_seconds(p) for p in api) - sum(cpu0[0])
     core_s = sum(cpu_seconds(p) for p in core) - sum(cpu0[1])
     steps = probe.steps() - steps0
+    kvtier_over_s = probe.kvtier_overhead_s() - over0  # over the same steps as core_s
     tokens = samples * 7 * (probe.args.decode_tokens + 1)
     step6 = median(b6) or 0.05
     mixed = [probe.decode_with_prefill(median(cold) or 1.0, step6) for _ in range(samples)]
     if probe.engine == "kvtier":
-        overhead = (probe.kvtier_overhead_s() - over0) / steps if steps else None
+        overhead = kvtier_over_s / steps if steps else None
     else:
         overhead = core_s / steps if steps else None
     p_tok = probe.args.prompt_tokens
