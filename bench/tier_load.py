@@ -233,7 +233,11 @@ def aerospike_config(cluster: AerospikeCluster, set_name: str) -> AerospikeTierC
         set_name=set_name,
         cluster_name=cluster.settings.cluster_name,
         ttl_s=3600,
-        # NOTE: a timeout under 64 clients' load would be an error, not a latency.
+        # NOTE: a timeout under 64 clients' load would be an error, not a latency. That
+        # includes connecting: a client process that first uses a store at 32 clients
+        # connects while 31 others load the host, and with the default 1 s it failed
+        # ("Peers not reachable") and skipped its first calls for a breaker cool-down.
+        connect_timeout_ms=10_000,
         total_timeout_ms=30_000,
         write_timeout_ms=30_000,
         socket_timeout_ms=10_000,
