@@ -160,8 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--small-user-rate",
         type=float,
         default=None,
-        help="users joining per second on the small-KV systems (default: calibrated for a G1 "
-        "that keeps only the system prompt and decodes as many users as it holds at once)",
+        help="users joining per second on the small-KV systems (default: calibrated for a "
+        "small G1 whose misses a tier serves: the big systems' prompt tokens, decoded as many "
+        "users at a time as it holds)",
     )
     su.add_argument("--think-s", type=float, default=1.0, help="pause before a user's next round")
     su.add_argument(
@@ -492,7 +493,7 @@ def print_report(
         if args.sustained and plan.small & sustained.keys():
             print(
                 f"small-KV systems: users joining at {args.small_user_rate:.3g}/s (the same "
-                "offered load for an engine that keeps only the system prompt cached)"
+                "offered load for a small G1 whose misses a tier serves)"
             )
         if plan.calibration is not None:
             c = plan.calibration
@@ -553,7 +554,7 @@ def resolve_sustained(args: argparse.Namespace, plan: Plan, count: Callable[[str
         if args.sustained:
             if args.small_user_rate is None:
                 args.small_user_rate = rate(
-                    probe.uncached_prefill_tokens_per_user, cal.small_decode_tokens_per_s
+                    probe.prefill_tokens_per_user, cal.small_decode_tokens_per_s
                 )
             small = f" ({args.small_user_rate:.3g} on the small-KV systems)"
         print(

@@ -20,11 +20,11 @@ later. The server's actual answers go back into the lane's history.
   chosen per host by ``bench/serve.py`` from a calibration of the host's
   prefill and decode speed (:func:`sustained_user_rate`): the same offered
   load (engine seconds per second) for every system, counted with the
-  prompt tokens a big G1 computes for the big-KV systems
-  (``prefill_tokens_per_user``) and with those a G1 that keeps only the
-  system prompt computes for the small-KV ones
-  (``uncached_prefill_tokens_per_user``) and decodes only as many users at
-  once as it holds, which therefore get fewer users.
+  prompt tokens a big G1 computes (``prefill_tokens_per_user``); for the
+  small-KV systems with decode at the batch their budget holds (one or two
+  users at a time), which therefore get fewer users. That is the load a
+  small G1 carries when a tier serves its misses; without one it computes
+  ~3.7x the prompt tokens (its users' histories) and falls behind.
 * ``doc-qa``: a pool of ``documents`` documents of ``min_tokens`` to
   ``max_tokens`` tokens (never a multiple of 16, so no prompt lines up with
   a block or chunk boundary); ``questions`` independent requests, each about
@@ -308,15 +308,6 @@ class SustainedConfig:
         cache recomputes (about half a 16-token block) per round."""
         per_round = self.answer_tokens + self.question_tokens + 8 + 8
         return self.context_tokens + self.question_tokens + 8 + (self.rounds - 1) * per_round
-
-    @property
-    def uncached_prefill_tokens_per_user(self) -> int:
-        """Prompt tokens one user makes a server compute when only the system prompt stays
-        cached: a G1 too small to keep a user's history from one round to the next
-        computes every round's whole conversation again (the small-KV systems)."""
-        first = self.context_tokens + self.question_tokens + 8
-        per_round = self.answer_tokens + self.question_tokens + 8 + 8
-        return self.rounds * first + per_round * self.rounds * (self.rounds - 1) // 2
 
     @property
     def longest_prompt_tokens(self) -> int:

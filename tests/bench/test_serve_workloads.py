@@ -228,18 +228,6 @@ def test_sustained_rate_scales_with_the_hosts_speed() -> None:
         SustainedConfig(user_rate=1.0, think_s=-1.0)
 
 
-def test_a_small_g1_recomputes_each_users_history_every_round() -> None:
-    one = SustainedConfig(user_rate=1.0, rounds=1)
-    assert one.uncached_prefill_tokens_per_user == one.prefill_tokens_per_user
-    cfg = SustainedConfig(user_rate=1.0, rounds=4)
-    # round r sends the context, r earlier exchanges and a question: all computed again
-    first = cfg.context_tokens + cfg.question_tokens + 8
-    exchange = cfg.answer_tokens + cfg.question_tokens + 16
-    rounds = [first + r * exchange for r in range(cfg.rounds)]
-    assert cfg.uncached_prefill_tokens_per_user == sum(rounds)
-    assert cfg.uncached_prefill_tokens_per_user > 3 * cfg.prefill_tokens_per_user
-
-
 def test_a_small_budget_holds_one_last_round_at_a_time() -> None:
     cfg = SustainedConfig(user_rate=1.0)
     last = cfg.longest_prompt_tokens
