@@ -109,7 +109,9 @@ def test_slow_tier_never_blocks_put_and_full_queue_drops(tmp_path: Path) -> None
         putter.join(timeout=10)
         assert not putter.is_alive()  # every put returned while the lower tier is stuck
         dropped = s.metrics.value("kvtier_writer_dropped_total", {"tier": "gated"})
-        assert dropped >= 7  # at most one in the tier's hands and two queued
+        # the writer drains up to a queue's worth (2) into the batch the tier holds, two more
+        # queue behind it: at most 4 of the 10 are not dropped
+        assert dropped >= 6
         assert s.tiers[0].contains([key(i) for i in range(10)]) == [True] * 10
         gate.set()
         assert s.flush(5)
