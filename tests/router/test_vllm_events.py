@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
@@ -256,18 +257,20 @@ def test_the_subscriber_fills_gaps_from_the_replay_socket() -> None:
         pub.close()
 
 
+def _chat_prompt(tiny_model: Path, content: str) -> tuple[Any, dict, list[int]]:
+    """(tokenizer, a chat body, the token ids of the whole blocks vLLM caches of its prompt:
+    not the last token's)."""
+    tokenizer = load_tokenizer(tiny_model)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
+    assert ids is not None and len(ids) > 4 * B
+    return tokenizer, body, ids[: (len(ids) - 1) // B * B]
+
+
 def test_the_router_sends_a_prompt_to_the_vllm_engine_whose_events_hold_it(
     tiny_model: Path,
 ) -> None:
-    tokenizer = load_tokenizer(tiny_model)
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "a long document the vLLM engine read. " * 8}],
-        "max_tokens": 2,
-    }
-    ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
-    assert ids is not None and len(ids) > 4 * B
-    whole = ids[: (len(ids) - 1) // B * B]  # the blocks vLLM caches (not the last token's)
+    tokenizer, body, whole = _chat_prompt(tiny_model, "a long document the vLLM engine read. " * 8)
     idle, vllm = FakeEngine("idle"), FakeEngine("vllm")
     pub = FakeVllmPublisher(topic="kv")
     source = VllmEventSource(vllm.url, pub.endpoint, pub.replay_endpoint, topic="kv")
@@ -330,15 +333,7 @@ def test_the_command_line_refuses_bad_event_sources(args: list[str], message: st
 def test_a_vllm_engine_that_joins_at_runtime_is_followed_from_its_post_body(
     tiny_model: Path,
 ) -> None:
-    tokenizer = load_tokenizer(tiny_model)
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "a document only the joiner read. " * 8}],
-        "max_tokens": 2,
-    }
-    ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
-    assert ids is not None and len(ids) > 4 * B
-    whole = ids[: (len(ids) - 1) // B * B]
+    tokenizer, body, whole = _chat_prompt(tiny_model, "a document only the joiner read. " * 8)
     idle, vllm = FakeEngine("idle"), FakeEngine("vllm")
     pub = FakeVllmPublisher(topic="kv")
     config = RouterConfig(
