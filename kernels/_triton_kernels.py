@@ -75,7 +75,10 @@ def _fp8_e4m3_value(code):
     significand = tl.where(normal, m + 8, m).to(tl.float32)
     value = significand * _pow2(tl.where(normal, e - 10, -9))
     value = tl.where(magnitude == 0x7F, float("nan"), value)
-    return tl.where(code >= 0x80, -value, value)
+    # NOTE: the sign goes on as a bit. Compiled for CUDA, ``-value`` is ``0 - value``, which
+    # turns code 0x80 (-0.0) into +0.0 (seen on an H200; the interpreter keeps -0.0).
+    sign = (code & 0x80) << 24
+    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
