@@ -21,7 +21,9 @@ device, measured in the same run; ``x copy`` is op GB/s / copy GB/s.
 CPU: the torch reference with its default ``check_slots=True`` (cheap on the
 CPU). CUDA: Triton and, for comparison, the torch reference on CUDA, both
 with ``check_slots=False`` (the hot-path setting; ``check_slots=True`` costs
-one device sync, shown in its own row), timed with CUDA events.
+one device sync, shown in its own row), timed with CUDA events. ``host us``
+is the host's time per call to enqueue it: close to ``us``, the GPU waits
+for launches, and the figure is launch cost, not bandwidth.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def cuda_time(fn: Callable[[], object], *, repeat: int, min_time: float) -> floa
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / n)
     return sorted(samples)[len(samples) // 2]
+
+
+def host_time(fn: Callable[[], object], *, calls: int = 200) -> float:
+    """Seconds of host time per call to enqueue ``fn`` (CUDA: launches are asynchronous).
+
+    When this is close to :func:`cuda_time`, the GPU waits for the host: the
+    figure is launch cost, not bandwidth.
+    """
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / calls
 
 
 def ops(
@@ -134,6 +152,7 @@ def bench_shape(
                     "backend": backend_name,
                     "chunk_bytes": nbytes,
                     "us": seconds * 1e6,
+                    "host_us": host_time(fn) * 1e6 if on_cuda else None,
                     "gbps": gbps,
                     "copy_gbps": copy_gbps,
                     "x_copy": gbps / copy_gbps,
@@ -183,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     summary = run(device, args.quick)
     summary["seconds"] = round(time.perf_counter() - started, 1)
-    headers = ["shape", "op", "backend", "MB", "us", "GB/s", "copy GB/s", "x copy"]
+    headers = ["shape", "op", "backend", "MB", "us", "host us", "GB/s", "copy GB/s", "x copy"]
     body = [
         [
             r["shape"],
@@ -191,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             r["backend"],
             r["chunk_bytes"] / 1e6,
             r["us"],
+            "-" if r["host_us"] is None else r["host_us"],
             r["gbps"],
             r["copy_gbps"],
             r["x_copy"],

@@ -6,7 +6,10 @@
 #   kernels.log   python -m bench.kernels --device cuda (last line: its JSON), after a
 #                 --quick warm-up pass (kernels-warmup.log)
 # Packages the machine lacks travel as wheels in .whl/ (see bench/RESULTS.md, "GPU").
+#   scripts/device_check.sh          the tests, then the kernel benchmark
+#   scripts/device_check.sh bench    the kernel benchmark alone
 set -uo pipefail
+mode=${1:-all}
 OUT=${OUT:-/tmp/kvtier-device}
 mkdir -p "$OUT"
 deps=/tmp/kvtier-deps
@@ -33,9 +36,11 @@ unset TRITON_INTERPRET
 } 2>&1 | tee "$OUT/gpu.txt"
 
 status=0
-timeout 300 python3 -m pytest -p no:cacheprovider -q \
-    tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_compile.py \
-    tests/engine/test_gpu.py tests/vllm/test_layout.py 2>&1 | tee "$OUT/pytest.log" || status=1
+if [ "$mode" = all ]; then
+    timeout 300 python3 -m pytest -p no:cacheprovider -q \
+        tests/kernels/test_kernel_gpu.py tests/kernels/test_kernel_compile.py \
+        tests/engine/test_gpu.py tests/vllm/test_layout.py 2>&1 | tee "$OUT/pytest.log" || status=1
+fi
 # The first shape of a first run read slow on an H200 (gather of the smaller chunk 53 us, of
 # the larger 25 us): a --quick pass first, kept in its own log, then the run that is reported.
 timeout 100 python3 -m bench.kernels --device cuda --quick >"$OUT/kernels-warmup.log" 2>&1 || status=1
