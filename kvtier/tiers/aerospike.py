@@ -12,8 +12,12 @@ them, all create-only. What makes that safe:
 
 * A reader reads the chunk key and, when the tier knows the segment count,
   the canonical segments in one batch (else the segments in a second one),
-  reassembles and checks the xxh3 checksum. A manifest whose segments are
-  missing or wrong is a miss, never wrong bytes. The server may apply the
+  reassembles and checks it: any bytes against the manifest's xxh3 of the
+  block; a block in kvtier's format by each segment's tag (whose block it
+  belongs to), the head and the block's identity, leaving the body to the
+  checksum its consumer verifies (no pass over the block here:
+  :mod:`~kvtier.tiers.aerospike_layout`). A manifest whose segments are
+  missing or another block's is a miss, never a mix of writers' bytes. The server may apply the
   rows of one request in any order, so such a manifest may be a write in
   flight: the reader removes it (only if its generation is unchanged) and the
   segments it names only when the server last wrote it longer ago than
@@ -137,6 +141,7 @@ from kvtier.tiers.aerospike_layout import (
     BIN_BLOCK,
     BIN_MANIFEST,
     BIN_SEGMENT,
+    BIN_TAG,
     NONCE_BYTES,
     Manifest,
     ManifestError,
@@ -174,6 +179,7 @@ class _Row:
     data: bytes
     mode: str  # "create" (create-only), "upsert" (create or replace), "replace" (replace only)
     part: int = -1  # a segment's index in its block
+    tag: bytes | None = None  # a kind-2 segment's tag (bin "t"): whose block it belongs to
 
 
 @dataclass
@@ -830,7 +836,12 @@ class AerospikeTier(Tier):
         for group in groups:
             seg_keys = [k for i, m, _ in group for k in m.segment_keys(keys[i])]
             results = self._read_rows(
-                client, "get_segments", seg_keys, [BIN_SEGMENT], self._read_policy, deadline
+                client,
+                "get_segments",
+                seg_keys,
+                [BIN_SEGMENT, BIN_TAG],
+                self._read_policy,
+                deadline,
             )
             pos = 0
             for i, m, gen in group:
@@ -854,10 +865,12 @@ class AerospikeTier(Tier):
         row failure is a miss without cleanup (the manifest may be fine).
         """
         parts: list[bytes | bytearray] = []
+        tags: list[bytes | bytearray | None] = []
         missing = failed = False
         for code, record in part_rows:
             if code == OK and record[2] and BIN_SEGMENT in record[2]:
                 parts.append(record[2][BIN_SEGMENT])  # joined once by assemble: no copy here
+                tags.append(record[2].get(BIN_TAG))
             elif code in (OK, NOT_FOUND):
                 missing = True
             else:
@@ -865,7 +878,7 @@ class AerospikeTier(Tier):
                 failed = True
         if failed:
             return
-        block = None if missing else m.assemble(parts)
+        block = None if missing else m.assemble(parts, tags)
         if block is None:
             # NOTE: info, not warning: a manifest whose segments are still in flight is
             # one of these, and the cleanup spares it (cleanup_grace_s).
@@ -973,9 +986,10 @@ class AerospikeTier(Tier):
             "upsert": self._replace_row,
             "replace": self._replace_only_row,
         }[row.mode]
-        return Write(self._akey(row.key), [as_ops.write(row.bin, row.data)], policy=policy), len(
-            row.data
-        )
+        ops = [as_ops.write(row.bin, row.data)]
+        if row.tag is not None:
+            ops.append(as_ops.write(BIN_TAG, row.tag))
+        return Write(self._akey(row.key), ops, policy=policy), len(row.data)
 
     def _remove_record(self, key: bytes, generation: int | None = None) -> tuple[Any, int]:
         """A remove of a record this put wrote itself (no conditions)."""
@@ -1092,7 +1106,7 @@ class AerospikeTier(Tier):
                 want.append((i, block[j * size : (j + 1) * size]))
         try:
             rows = self._read_rows(
-                client, "put_check_segments", keys, [BIN_SEGMENT], self._exists_policy
+                client, "put_check_segments", keys, [BIN_SEGMENT, BIN_TAG], self._exists_policy
             )
         except TransientError as e:
             log.debug("aerospike tier %r: cannot read taken segments: %s", self.name, e)
@@ -1100,7 +1114,13 @@ class AerospikeTier(Tier):
         differ: set[int] = set()
         for (i, expected), (code, record) in zip(want, rows, strict=True):
             bins = record[2] if code == OK and record else None
-            if not bins or bins.get(BIN_SEGMENT) != expected:
+            # NOTE: a kind-2 reader checks tags, not bytes: the same bytes under another
+            # block's tag (two blocks that agree in a segment) would make ours unreadable.
+            if (
+                not bins
+                or bins.get(BIN_SEGMENT) != expected
+                or bins.get(BIN_TAG) != segmented[i].tag
+            ):
                 differ.add(i)
         for i in taken:
             if i not in differ:
@@ -1151,8 +1171,9 @@ class AerospikeTier(Tier):
 
     @staticmethod
     def _segment_rows(i: int, key: bytes, block: bytes, m: Manifest, mode: str) -> list[_Row]:
+        tag = m.tag
         return [
-            _Row(i, seg_key, BIN_SEGMENT, part, mode, j)
+            _Row(i, seg_key, BIN_SEGMENT, part, mode, j, tag)
             for j, (seg_key, part) in enumerate(
                 zip(m.segment_keys(key), m.split(block), strict=True)
             )
@@ -1290,7 +1311,7 @@ class AerospikeTier(Tier):
             ours = segmented[i]
             if theirs is None or theirs.nonce != ours.nonce:
                 lost += landed[i].created
-            elif (theirs.checksum, theirs.length) != (ours.checksum, ours.length):
+            elif not theirs.same_block(ours):
                 unheld.append(i)
         return lost, unheld
 

@@ -18,17 +18,23 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
+from kvtier.block import activation_like_kv, encode_block
+from kvtier.store import TieredStore
 from kvtier.tiers.aerospike import AerospikeTier
 from kvtier.tiers.aerospike_config import AerospikeTierConfig
 from kvtier.tiers.aerospike_errors import STOP_WRITES
 from kvtier.tiers.aerospike_layout import (
     BIN_MANIFEST,
     BIN_SEGMENT,
+    BIN_TAG,
+    CHECKSUM_KVTB,
     Manifest,
     canonical_nonce,
     segment_key,
 )
+from kvtier.tiers.cpu import CpuTier
 from tests.support.aerospike_target import InProcessTarget, Target, make_target
 from tests.support.timeouts import aerospike_timeouts
 
@@ -188,19 +194,73 @@ def race(writers: list[AerospikeTier], key: bytes, blocks: list[bytes]) -> dict[
     return results
 
 
-def test_concurrent_puts_of_one_key_with_different_bytes(target: Target) -> None:
+def kv_block(key: bytes, seed: int) -> bytes:
+    """A kvtier block of 98,384 bytes (7 segments of SEG): a kind-2 manifest, tagged segments."""
+    return encode_block(activation_like_kv((4, 2, 16, 3, 64), torch.float32, seed=seed), key=key)
+
+
+@pytest.mark.parametrize("blocks_are", ["any bytes", "kvtier blocks"])
+def test_concurrent_puts_of_one_key_with_different_bytes(target: Target, blocks_are: str) -> None:
     """Four writers store other bytes under one key at once, eight times over: every read
     returns exactly one writer's block, at least one put answers True, and no orphan
-    segment is left behind."""
+    segment is left behind. Any bytes are checked by their xxh3; kvtier blocks, whose
+    bodies the tier does not hash, by their segments' tags."""
     writers = [make_tier(target) for _ in range(4)]
     reader = make_tier(target)
     for r in range(8):
         key = os.urandom(16)
-        blocks = [rand_bytes(90 * KiB, 100 * r + w) for w in range(len(writers))]
+        if blocks_are == "any bytes":
+            blocks = [rand_bytes(90 * KiB, 100 * r + w) for w in range(len(writers))]
+        else:
+            blocks = [kv_block(key, 100 * r + w) for w in range(len(writers))]
+        records = -(-len(blocks[0]) // SEG) + 1
         results = race(writers, key, blocks)
         assert len(results) == len(writers) and any(results.values())
         (got,) = reader.get([key])
         assert got in blocks, f"round {r}: a mix or a miss"
-        assert target.record_count() == (r + 1) * (6 + 1), f"round {r}: orphans left"
+        assert target.record_count() == (r + 1) * records, f"round {r}: orphans left"
     for t in [*writers, reader]:
         t.close()
+
+
+def test_another_writers_segment_under_a_kvtier_blocks_manifest_is_a_miss(
+    target: Target,
+) -> None:
+    """A kind-2 block whose canonical segment 1 holds another block's segment (bytes and tag,
+    as a concurrent writer of other KV leaves it): lengths and head agree, and the tier does
+    not hash the body, so only the tag tells: a miss, the manifest removed; never the mix."""
+    tier = make_tier(target, cleanup_grace_s=0)
+    key = os.urandom(16)
+    mine, theirs = kv_block(key, 1), kv_block(key, 2)
+    assert tier.put([(key, mine)]) == [True]
+    m = manifest_of(tier, key)
+    assert m.kind == CHECKSUM_KVTB
+    other = Manifest.for_block(theirs, SEG, nonce=canonical_nonce(key))
+    victim = m.segment_keys(key)[1]
+    target.overwrite(victim, BIN_SEGMENT, other.split(theirs)[1])
+    target.overwrite(victim, BIN_TAG, other.tag or b"")
+    reader = make_tier(target, cleanup_grace_s=0)
+    assert reader.get([key]) == [None]
+    assert reader.stats().broken_manifests == 1
+    assert target.record_count() == 0
+    for t in (tier, reader):
+        t.close()
+
+
+def test_a_flipped_body_bit_of_a_kvtier_block_is_the_stores_counted_miss(target: Target) -> None:
+    """The tier leaves a kvtier block's body to its consumer's checksum: a flipped bit in a
+    segment (its tag intact) reaches the store, which counts it corrupt, misses and removes
+    the block."""
+    tier = make_tier(target)
+    key = os.urandom(16)
+    block = kv_block(key, 3)
+    assert tier.put([(key, block)]) == [True]
+    victim = manifest_of(tier, key).segment_keys(key)[2]
+    part = bytearray(block[2 * SEG : 3 * SEG])
+    part[100] ^= 0x10
+    target.overwrite(victim, BIN_SEGMENT, bytes(part))
+    with TieredStore([CpuTier(1 << 20), make_tier(target)]) as store:
+        assert store.get([key]) == [None]
+        assert store.metrics.value("kvtier_corrupt_blocks_total", {"tier": "aerospike"}) == 1
+    assert target.record_count() == 0  # removed (report_bad)
+    tier.close()

@@ -7,11 +7,20 @@ import os
 
 import aerospike
 import pytest
+import torch
 from pydantic import ValidationError
 
-from kvtier.errors import ConfigError
+from kvtier.block import activation_like_kv, encode_block, verify_block
+from kvtier.errors import ChecksumError, ConfigError
 from kvtier.tiers.aerospike_config import AerospikeHost, AerospikeTierConfig
-from kvtier.tiers.aerospike_layout import HEAD_BYTES, Manifest, ManifestError, segment_key
+from kvtier.tiers.aerospike_layout import (
+    CHECKSUM_KVTB,
+    CHECKSUM_XXH3,
+    HEAD_BYTES,
+    Manifest,
+    ManifestError,
+    segment_key,
+)
 from kvtier.tiers.aerospike_namespace import (
     RecordLimits,
     check_ttl,
@@ -124,6 +133,52 @@ def test_assemble_rejects_wrong_segments() -> None:
     assert m.assemble([parts[0], bytes(flipped), parts[2]]) is None  # checksum
     other = Manifest.for_block(os.urandom(7000), 3000)
     assert other.assemble(parts) is None
+
+
+def kv_block(key: bytes, seed: int) -> bytes:
+    """A kvtier block of 24,656 bytes (an 80-byte header and a float32 payload)."""
+    return encode_block(activation_like_kv((2, 2, 16, 3, 32), torch.float32, seed=seed), key=key)
+
+
+def test_a_kvtier_block_is_checked_by_its_identity_and_tags_not_its_body() -> None:
+    key = os.urandom(16)
+    block = kv_block(key, 1)
+    m = Manifest.for_block(block, 3000)
+    assert m.kind == CHECKSUM_KVTB and Manifest.decode(m.encode()) == m
+    assert Manifest.for_block(os.urandom(len(block)), 3000).kind == CHECKSUM_XXH3
+    parts = m.split(block)
+    tags = [m.tag] * len(parts)
+    assert m.assemble(parts, tags) == block
+    # the identity covers the header (with the body's checksum), not the body: no pass over it
+    body_flipped = bytearray(block)
+    body_flipped[5000] ^= 1
+    assert Manifest.for_block(bytes(body_flipped), 3000).checksum == m.checksum
+    # so a flipped body bit passes the tier and is the consumer's checksum mismatch
+    flipped = bytearray(parts[1])
+    flipped[5000 - 3000] ^= 1
+    got = m.assemble([parts[0], bytes(flipped), *parts[2:]], tags)
+    assert got is not None
+    with pytest.raises(ChecksumError):
+        verify_block(got, key=key)
+
+
+def test_segments_of_another_writers_block_are_refused_by_their_tags() -> None:
+    """Two writers of one key with other bytes (engines need not compute bit-identical KV)
+    cut at one size: segments of both, joined, would pass lengths and head; the tags tell."""
+    key = os.urandom(16)
+    a, b = kv_block(key, 1), kv_block(key, 2)
+    ma, mb = Manifest.for_block(a, 3000), Manifest.for_block(b, 3000)
+    assert ma.tag != mb.tag and not ma.same_block(mb)
+    pa, pb = ma.split(a), mb.split(b)
+    mixed, mixed_tags = [pa[0], pb[1], *pa[2:]], [ma.tag, mb.tag, *[ma.tag] * (len(pa) - 2)]
+    assert ma.assemble(mixed, mixed_tags) is None
+    assert ma.assemble(pa, None) is None  # untagged (a kind-1 writer's segments)
+    assert ma.assemble(pa, [ma.tag] * (len(pa) - 1) + [None]) is None
+    # the same block cut at another size: other tags
+    assert Manifest.for_block(a, 4000).tag != ma.tag
+    # a trailer (a cache server's provenance stamp) is part of the identity
+    stamped = a + b"KVTW" + bytes(100)
+    assert Manifest.for_block(stamped, 3000).checksum != ma.checksum
 
 
 def test_each_write_gets_its_own_segment_keys() -> None:
