@@ -264,11 +264,15 @@ class ServerConfig(_Strict):
     data_max_pending_per_address: int = Field(
         8,
         ge=1,
-        description="data-plane connections of one address still in their handshake; one more "
-        "closes the oldest of them",
+        description="silent data-plane connections of one address (pending, and their peer has "
+        "sent nothing); one more pending connection closes the oldest silent one. A connection "
+        "whose handshake arrived is never closed for this, however long it waits for a thread",
     )
     data_max_pending: int = Field(
-        64, ge=1, description="data-plane connections in their handshake, all addresses"
+        64,
+        ge=1,
+        description="data-plane connections in their handshake, all addresses; one more closes "
+        "the oldest of the address holding the most",
     )
     tenant_max_data_connections: int | None = Field(
         None, ge=1, description="data-plane connections of one tenant; null: a quarter of the cap"

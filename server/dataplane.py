@@ -15,10 +15,15 @@ caller).
     accept    over data_max_connections authenticated: RESOURCE_EXHAUSTED and close;
               else a thread: TLS handshake (if configured) · session
     pending   until its handshake authenticates it, a connection is *pending*: it
-              must send the handshake within data_handshake_timeout_s, and one address
-              may have data_max_pending_per_address pending (all addresses
-              data_max_pending): one more closes the oldest pending one, so silent
-              sockets can neither fill the connection cap nor keep a tenant out
+              must send the handshake within data_handshake_timeout_s. One address may
+              have data_max_pending_per_address *silent* pending connections (its peer
+              has sent nothing): one more closes the oldest silent one. A connection
+              whose handshake has arrived is not silent, however long the server takes
+              to read it (an engine opens one connection per concurrent load or save,
+              and on a busy host dozens of their handshakes wait for a core at once).
+              All addresses may have data_max_pending: one more closes the oldest of
+              the address holding the most. So silent sockets can neither fill the
+              connection cap nor keep a tenant out
     tenant    an authenticated tenant may hold tenant_max_data_connections
     stop()    stop accepting · wake idle sessions (they close) · wait for
               requests in flight (grace) · then cut what is left
@@ -98,6 +103,7 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}  # thread ident -> its socket
         self._pending: OrderedDict[int, tuple[str, socket.socket]] = OrderedDict()  # oldest first
+        self._heard: set[int] = set()  # pending connections whose peer has sent bytes
         self._tenant_of: dict[int, str] = {}  # thread ident -> its authenticated tenant
         self._per_tenant: dict[str, int] = {}
         self._threads: set[threading.Thread] = set()
@@ -165,11 +171,9 @@ class DataPlaneServer:
             full = len(self._conns) - len(self._pending) >= c.data_max_connections
             admitted = not full and not self._stopping
             if admitted:
-                same = [i for i, (h, _) in self._pending.items() if h == host]
-                if len(same) >= c.data_max_pending_per_address:
-                    evicted.append(self._pending.pop(same[0])[1])
-                elif len(self._pending) >= c.data_max_pending:
-                    evicted.append(self._pending.popitem(last=False)[1][1])
+                victim = self._pending_to_close(host)
+                if victim is not None:
+                    evicted.append(self._pending.pop(victim)[1])
                 thread = threading.Thread(
                     target=self._serve, args=(conn,), name="kvtier-data-conn", daemon=True
                 )
@@ -205,20 +209,74 @@ class DataPlaneServer:
         finally:
             conn.close()
 
+    def _pending_to_close(self, host: str) -> int | None:
+        """The pending connection a new one from ``host`` closes, if any (under the lock).
+
+        The oldest silent one of ``host`` once it has ``data_max_pending_per_address``
+        pending; else, at ``data_max_pending``, the oldest of the address holding the most.
+        """
+        c = self.config
+        same = [i for i, (h, _) in self._pending.items() if h == host]
+        if len(same) >= c.data_max_pending_per_address:
+            for ident in same:
+                if self._silent(ident):
+                    return ident
+        if len(self._pending) < c.data_max_pending:
+            return None
+        held: dict[str, int] = {}
+        for h, _ in self._pending.values():
+            held[h] = held.get(h, 0) + 1
+        most = max(held.values())
+        return next(i for i, (h, _) in self._pending.items() if held[h] == most)
+
+    def _silent(self, ident: int) -> bool:
+        """Whether pending connection ``ident``'s peer has sent nothing yet (under the lock).
+
+        Bytes it sent may still wait unread in the socket (its thread has not had a core
+        yet): a poll without waiting sees them.
+        """
+        if ident in self._heard:
+            return False
+        conn = self._pending[ident][1]
+        try:
+            poller = select.poll()
+            poller.register(conn, select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):  # closed meanwhile: its thread is ending
+            return True
+
+    def _await_first_bytes(self, conn: socket.socket, timeout: float) -> float:
+        """Wait (up to ``timeout``) until the peer sends or closes, and count the calling
+        connection as heard if it did; the seconds of ``timeout`` left.
+
+        A peer silent throughout leaves ~0 s: its handshake read then times out at once
+        and is counted as before (``data.Connect``, CANCELLED).
+        """
+        start = time.monotonic()
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        ready = dict(poller.poll(timeout * 1000))
+        if conn.fileno() in ready:
+            with self._lock:
+                self._heard.add(threading.get_ident())
+        return max(0.001, timeout - (time.monotonic() - start))
+
     def _serve(self, conn: socket.socket) -> None:
         c = self.config
         me = threading.current_thread()
         self.metrics.data_connections.inc()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            left = self._await_first_bytes(conn, c.data_handshake_timeout_s)
             sock = conn
             if self.tls is not None:
-                conn.settimeout(c.data_handshake_timeout_s)
+                conn.settimeout(left)
                 sock = self.tls.wrap_socket(conn, server_side=True)
                 with self._lock:
                     self._conns[me.ident or 0] = sock
             session = DataPlaneSession(
-                Stream(sock, c.data_handshake_timeout_s),
+                Stream(sock, left if self.tls is None else c.data_handshake_timeout_s),
                 self.access,
                 self.gate,
                 c,
@@ -236,6 +294,7 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.pop(ident, None)
                 self._pending.pop(ident, None)
+                self._heard.discard(ident)
                 name = self._tenant_of.pop(ident, None)
                 if name is not None:
                     self._per_tenant[name] -= 1

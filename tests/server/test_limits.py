@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from kvtier.server.app import CacheServer
+from kvtier.server.dataplane import DataPlaneServer
 from kvtier.wire import dataplane as wire
 from kvtier.wire import kvtier_cache_pb2 as pb
 from tests.server.helpers import (
@@ -214,3 +215,59 @@ def test_half_sent_http_requests_neither_pile_up_threads_nor_hold_them(limited) 
     finally:
         for sock in half:
             sock.close()
+
+
+def test_many_handshakes_from_one_address_waiting_for_a_core_are_all_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine opens one data-plane connection per concurrent load or save, all from one
+    address; on a busy host their handshakes arrive before the server's threads read them.
+    Those connections are not silent: beyond ``data_max_pending_per_address`` only silent
+    ones are closed (at 32 clients of ``bench/tier_load.py`` the oldest talking ones were,
+    and their puts fell back to gRPC and failed)."""
+    starved = threading.Event()
+    real = DataPlaneServer._await_first_bytes
+
+    def after_a_core(self: DataPlaneServer, conn: socket.socket, timeout: float) -> bool:
+        starved.wait(30)  # the connection's thread gets no core until the test says so
+        return real(self, conn, timeout)
+
+    monkeypatch.setattr(DataPlaneServer, "_await_first_bytes", after_a_core)
+    cfg = server_config(
+        open=False,
+        tenants=tenants(),
+        data_max_pending_per_address=4,
+        data_handshake_timeout_s=10.0,
+    )
+    token = TOKENS["alpha"].encode()
+    hello = wire.HELLO.pack(wire.MAGIC, wire.DATA_PROTOCOL_VERSION, len(token)) + token
+    with running_server(cfg) as server:
+        assert server.data_port
+        data_plane = server._data
+        silent, talking = [], []
+        try:
+            for _ in range(6):
+                silent.append(socket.create_connection(("127.0.0.1", server.data_port)))
+            for _ in range(12):
+                sock = socket.create_connection(("127.0.0.1", server.data_port))
+                sock.sendall(hello)
+                talking.append(sock)
+            wait_until(lambda: len(data_plane._threads) == 18, "every connection accepted", 30)
+            starved.set()
+            reply = wire.HELLO_REPLY.size + wire.STATUS.size
+            for sock in talking:
+                sock.settimeout(30)
+                got = b""
+                while len(got) < reply:
+                    chunk = sock.recv(reply - len(got))
+                    assert chunk, "a talking connection was closed before its reply"
+                    got += chunk
+                code, _ = wire.STATUS.unpack_from(got, wire.HELLO_REPLY.size)
+                assert code == 0
+            for sock in silent:  # every silent one was closed to make room
+                _read_to_close(sock)
+            assert metric(server, "kvtier_server_rejected_total", reason="limit") == 6
+        finally:
+            starved.set()
+            for sock in [*silent, *talking]:
+                sock.close()
