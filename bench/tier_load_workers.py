@@ -89,8 +89,12 @@ def run_client(
     block: bytes,
     start_at: float,
     ci: int,
+    warmed: set[str],
 ) -> dict[str, PhaseResult]:
     """One client's phase: ``ops`` timed calls per store, alternating between the stores.
+
+    A store this client has not used yet gets one untimed get first (connections, the
+    pool), recorded in ``warmed``: once per client and store, not once per phase.
 
     A put stores a fresh key (the object encoded for it before the timer starts),
     deleted right after the timed call (memory stays bounded); a get reads a
@@ -98,6 +102,9 @@ def run_client(
     """
     out = {label: PhaseResult() for label, _, _ in group}
     for label, _, pool in group:  # warm: connections, the pool
+        if label in warmed:
+            continue
+        warmed.add(label)
         with contextlib.suppress(Exception):
             clients[label].get(pool[ci % len(pool)])
     time.sleep(max(0.0, start_at - time.time()))
@@ -226,6 +233,7 @@ class _Clients:
 
     def __init__(self) -> None:
         self.by_label: dict[str, LoadClient] = {}
+        self.warmed: set[str] = set()  # labels whose client has made its first (untimed) call
 
     def get(self, group: list[Store]) -> dict[str, LoadClient]:
         for label, spec, _ in group:
@@ -235,6 +243,7 @@ class _Clients:
 
     def drop(self, label: str) -> None:
         client = self.by_label.pop(label, None)
+        self.warmed.discard(label)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -253,7 +262,16 @@ def _serve(conn: Connection, ci: int, blocks: dict[str, bytes]) -> None:
             if msg[0] == "phase":
                 _, group, op, ops, name, start_at = msg
                 conn.send(
-                    run_client(clients.get(group), group, op, ops, blocks[name], start_at, ci)
+                    run_client(
+                        clients.get(group),
+                        group,
+                        op,
+                        ops,
+                        blocks[name],
+                        start_at,
+                        ci,
+                        clients.warmed,
+                    )
                 )
             elif msg[0] == "put":
                 _, store, keys, name = msg
@@ -366,7 +384,9 @@ class ThreadDriver:
         out: list[dict[str, PhaseResult]] = [{} for _ in range(clients)]
 
         def one(ci: int) -> None:
-            out[ci] = run_client(shared, group, op, ops, self._blocks[name], start_at, ci)
+            out[ci] = run_client(
+                shared, group, op, ops, self._blocks[name], start_at, ci, self._clients.warmed
+            )
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
         for t in threads:
