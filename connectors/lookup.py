@@ -10,7 +10,9 @@ and the scheduling thread waits for it at most ``WAIT_S``: a local tier's
 answer arrives within that, so its hit is admitted in the same step; a slow
 one leaves the request waiting — ``poll`` answers None, the adapter tells its
 engine to ask again next step — while the running requests keep stepping.
-A lookup not answered by its deadline is a miss, counted.
+A lookup not answered by its deadline is a miss, counted. A request whose
+engine already holds all but less than a chunk of its prompt does not wait a
+step for a slow answer (``poll(wait=False)``, ``scheduler_side.py`` says why).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class LookupStats:
     """What happened to lookups that did not simply answer."""
 
     deferred: int = 0  # polls answered None: the lookup was still in flight
+    not_waited: int = 0  # still in flight, and the request was admitted without it
     timeouts: int = 0  # lookups past their deadline: served as a miss
     refused: int = 0  # lookups not started, every I/O thread stuck on a tier: a miss
 
@@ -60,7 +63,8 @@ class AsyncLookups:
         timeout_s: One lookup's deadline, retries included.
         metrics: ``kvtier_lookups_total`` and the ``lookup`` stage.
         quarantine: Keys never reported present (the verifier's), if any.
-        on_count: Told ``"deferred"``, ``"timeout"`` or ``"refused"`` as they happen.
+        on_count: Told ``"deferred"``, ``"not_waited"``, ``"timeout"`` or ``"refused"`` as
+            they happen.
     """
 
     def __init__(
@@ -80,8 +84,16 @@ class AsyncLookups:
         self._pending: dict[str, _Pending] = {}
         self.stats = LookupStats()
 
-    def poll(self, request_id: str, state: RequestState) -> StoredPrefix | None:
-        """The request's stored prefix, or None while its lookup is in flight (ask again later)."""
+    def poll(
+        self, request_id: str, state: RequestState, *, wait: bool = True
+    ) -> StoredPrefix | None:
+        """The request's stored prefix, or None while its lookup is in flight.
+
+        With ``wait`` the request waits for it (its engine asks again next step:
+        ``deferred``); without, a lookup not answered within ``WAIT_S`` is left to end on
+        its own (it holds its thread until its deadline at most) and the request is
+        admitted without it (``not_waited``).
+        """
         pending = self._pending.get(request_id)
         if pending is None:
             _, keys = state.lookup_keys()
@@ -97,6 +109,10 @@ class AsyncLookups:
         timed_out = False
         if not pending.future.done():
             if time.monotonic() < pending.deadline:
+                if not wait:
+                    del self._pending[request_id]  # not abandoned: slow, not stuck
+                    self._count("not_waited")
+                    return None
                 self._count("deferred")
                 return None
             self._fetcher.abandon(pending.future)  # the tier ignored its deadline
@@ -124,7 +140,8 @@ class AsyncLookups:
         return any(p.future.done() for p in self._pending.values())
 
     def _count(self, what: str) -> None:
-        field_name = {"deferred": "deferred", "timeout": "timeouts", "refused": "refused"}[what]
+        field_name = {"deferred": "deferred", "not_waited": "not_waited", "timeout": "timeouts",
+                      "refused": "refused"}[what]  # fmt: skip
         setattr(self.stats, field_name, getattr(self.stats, field_name) + 1)
         if self._on_count is not None:
             self._on_count(what)

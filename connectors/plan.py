@@ -138,6 +138,7 @@ COUNTERS = (
     "skipped_requests",  # not cacheable (LoRA, multimodal, prompt embeddings)
     "refused_tokens",  # hits not offered: every load thread was stuck
     "lookups_deferred",  # lookups still in flight when the engine asked: asked again next step
+    "lookups_not_waited",  # in flight, less than a chunk to gain: admitted without them
     "lookup_timeouts",  # lookups past connector.lookup_timeout_s: a miss
     "refused_lookups",  # lookups not started, every lookup thread stuck on a tier: a miss
     "loads",  # loads started

@@ -9,7 +9,8 @@ vLLM) translate their engine's calls into these::
     a request is considered for admission:
       get_num_new_matched_tokens(req, n_local) keys (the request's own, computed once), a
                                                lookup on an I/O thread (lookup.py), the offer:
-                                               (n, load async) | (None: ask again next step)
+                                               (n, load async) | (None: ask again next step;
+                                               not when less than a chunk is past n_local)
       update_state_after_alloc(req, blocks, n) a PlannedLoad of the accepted tokens
     each step:
       set_blocks / plan_saves(req, computed)   PlannedSaves: new full chunks, the prompt's
@@ -196,11 +197,12 @@ class ConnectorScheduler:
         return PrefixKeys(ns, self._config.page_tokens)
 
     def _lookup_counted(self, what: str) -> None:
-        self._counters.add(
-            {"deferred": "lookups_deferred", "timeout": "lookup_timeouts"}.get(
-                what, "refused_lookups"
-            )
-        )
+        names = {
+            "deferred": "lookups_deferred",
+            "not_waited": "lookups_not_waited",
+            "timeout": "lookup_timeouts",
+        }
+        self._counters.add(names.get(what, "refused_lookups"))
 
     @property
     def lookup_stats(self) -> LookupStats:
@@ -231,9 +233,20 @@ class ConnectorScheduler:
             return 0, False
         first = state.prefix is None
         if not state.lookup_is_fresh(LOOKUP_REUSE_S):
-            prefix = self._lookups.poll(request.request_id, state)
+            # NOTE: the most a lookup can add is the prompt past the engine's own hit, less
+            # the last token. Below min_load_tokens nothing could be offered: no lookup.
+            # Below a chunk the request does not wait a step for a slow answer: under load
+            # a step costs more than computing less than a chunk, and a load adds a step of
+            # its own. A warmed vLLM replica whose G1 held every hot document waited a step
+            # on nearly every request (lookups_deferred ~ lookups) for lookups that could
+            # not find more than G1 held (bench/RESULTS.md, "Warm start").
+            gain = state.num_prompt_tokens - 1 - num_computed_tokens
+            if gain < self._config.connector.min_load_tokens:
+                return 0, False
+            wait = gain >= self.namespace.chunk_size
+            prefix = self._lookups.poll(request.request_id, state, wait=wait)
             if prefix is None:
-                return None, False
+                return (None, False) if wait else (0, False)
             state.remember_lookup(prefix)
         assert state.prefix is not None
         prompt = state.num_prompt_tokens

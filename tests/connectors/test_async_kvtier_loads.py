@@ -187,8 +187,8 @@ def test_a_stalled_lookup_never_stalls_running_requests(model_dir: Path) -> None
     assert waited >= 2 and missed == 0
     # past its deadline the lookup is a miss: "new" is computed, the cold output
     assert final is not None and final.token_ids == cold and final.num_external_tokens == 0
-    # (the lookup of "running", 12 tokens, timed out too before it started)
-    assert conn.lookup_stats.timeouts == 2 and conn.lookup_stats.deferred >= 2
+    # ("running", 12 tokens, is not looked up: it could load less than min_load_tokens)
+    assert conn.lookup_stats.timeouts == 1 and conn.lookup_stats.deferred >= 2
     eng.shutdown()
 
 
