@@ -55,7 +55,9 @@ def test_an_engine_with_the_connector_serves_kvtier_metrics(tmp_path: Path) -> N
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         llm.generate([prompt], params)
         assert engine.connector.flush(timeout=60)  # type: ignore[attr-defined]
-        llm.generate([[*prompt, 7]], params)  # the second prompt finds the first's chunks
+        # the second prompt finds the first's chunks; it reaches 40 tokens past them, so it is
+        # looked up (a prompt G1 holds but for less than min_load_tokens is not)
+        llm.generate([[*prompt, *range(100, 140)]], params)
         text = _scrape(endpoint.url)
         assert _sample(text, 'kvtier_lookups_total{outcome="miss"}') >= 1
         assert _sample(text, 'kvtier_lookups_total{outcome="partial"}') >= 1
