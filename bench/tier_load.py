@@ -19,7 +19,9 @@ than on the store.
   settings but for longer timeouts (a timeout here would be an error, not a
   latency). Both use the same client policies.
 * ``server``: kvtier's remote tier against a ``kvtier serve`` subprocess
-  (CPU storage, bulk data plane; bench/lib/peers.py).
+  (CPU storage, bulk data plane; bench/lib/peers.py). Its clients share one
+  open tenant, given the server's whole in-flight put budget (1 GiB), as N
+  engines with a tenant each would have together (``--server-option``).
 * ``redis``: Debian's ``redis-server`` (``apt-get install redis-server``)
   started on a free port, no persistence; redis-py, one connection per client.
 
@@ -464,6 +466,13 @@ def main() -> None:
         help="an AerospikeTierConfig setting of the measured tier (e.g. skip_existing=false)",
     )
     ap.add_argument(
+        "--server-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a server: setting of `kvtier serve` (e.g. tenant_max_inflight_put_bytes=1GiB)",
+    )
+    ap.add_argument(
         "--threads",
         action="store_true",
         help="clients as threads of this process (they share its GIL) instead of processes",
@@ -474,6 +483,15 @@ def main() -> None:
     concurrency = [int(c) for c in (args.concurrency or "1,2,4,8,16,32,64").split(",")]
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     options = dict(o.split("=", 1) for o in args.tier_option)
+    # NOTE: the clients stand for N engines, each with a tenant of its own in a deployment
+    # (deploy/kvtier/kvtier-server.yaml), but reach this open server as one anonymous tenant,
+    # which may have only a quarter of the server's put bytes in flight
+    # (tenant_max_inflight_put_bytes): 32 puts of 32 MiB at once were refused beyond 256 MiB
+    # (55 of 384). N tenants would together have the whole budget.
+    server_options = {
+        "tenant_max_inflight_put_bytes": "1GiB",  # max_inflight_put_bytes' default
+        **dict(o.split("=", 1) for o in args.server_option),
+    }
     blocks = {
         name: object_block(CHUNKS[name], seed=i) for i, name in enumerate(args.objects.split(","))
     }
@@ -514,7 +532,7 @@ def main() -> None:
                         log(f"node_kill: {kill}")
         memory = 3 << 30
         if "server" in tiers:
-            with ServerProcess(memory) as server:
+            with ServerProcess(memory, options=server_options) as server:
                 spec = {"kind": "server", "address": server.address}
                 rows += measure(
                     driver, {"server": lambda _n: spec}, 1, blocks, concurrency, args.quick, log
@@ -561,6 +579,7 @@ def main() -> None:
             "concurrency": concurrency,
             "clients_are": "threads" if args.threads else "processes",
             "tier_options": options,
+            "server_options": server_options,
             "namespace_overrides": overrides,
             "rows": rows,
             "node_kill": kill,

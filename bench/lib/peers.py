@@ -55,10 +55,17 @@ class ServerProcess:
         threads: gRPC threads of the server.
     """
 
-    def __init__(self, capacity: int, chunk_size: int = 1 << 20, threads: int = 8) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        chunk_size: int = 1 << 20,
+        threads: int = 8,
+        options: dict[str, str] | None = None,
+    ) -> None:
         self.capacity = capacity
         self.chunk_size = chunk_size
         self.threads = threads
+        self.options = dict(options or {})  # more ``server:`` settings (name -> YAML value)
         self.address = ""
         self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-serve-")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -72,6 +79,7 @@ class ServerProcess:
             f"server:\n  host: 127.0.0.1\n  port: 0\n  http_port: null\n  open: true\n"
             f"  threads: {self.threads}\n  chunk_size: {self.chunk_size}\n"
             f"  max_message_size: {max_message}\n"
+            + "".join(f"  {k}: {v}\n" for k, v in self.options.items())
         )
         ready = tmp / "ready"
         self._proc = subprocess.Popen(
