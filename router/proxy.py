@@ -311,6 +311,9 @@ class Proxy:
             answer = 1 if leg == "prefill" else prompt.answer_tokens
             decision = self.router.pick(cands, prompt.num_tokens, prompt.ids is not None, answer)
             self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("routed %d prompt tokens to %s (%s): %s", prompt.num_tokens,
+                          decision.engine.url, decision.reason, _describe(cands))  # fmt: skip
             if attempt:
                 self.metrics.retries.inc()
             if reissue:
@@ -554,3 +557,13 @@ async def _read_body(resp: httpx.Response) -> bytes:
     finally:
         with anyio.CancelScope(shield=True):
             await resp.aclose()
+
+
+def _describe(cands: list[Candidate]) -> str:
+    """The candidates as a decision's debug line shows them."""
+    return "; ".join(
+        f"{c.engine.url} load {c.engine.in_flight}/{c.engine.reported_load} "
+        f"pending {c.engine.pending_prefill_tokens} g1 {c.g1_tokens} shared {c.shared_tokens} "
+        f"held {sum(r.kv_tokens for r in c.engine.reservations)}/{c.engine.kv_capacity_tokens}"
+        for c in cands
+    )

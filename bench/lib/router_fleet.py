@@ -15,6 +15,7 @@ crash: SIGKILL to the engine's process group, by its PID.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -146,6 +147,7 @@ def vllm_server(
     *,
     connector: Path | None = None,
     model_dir: Path | None = None,
+    cpus: list[int] | None = None,
 ) -> tuple[VllmServer, dict[str, Any]]:
     """A vLLM engine (not started) with a G1 of ``kv_tokens`` tokens, and its KV events config.
 
@@ -181,6 +183,7 @@ def vllm_server(
         num_gpu_blocks=tokens // VLLM_BLOCK_TOKENS,
         block_size=VLLM_BLOCK_TOKENS,
         omp_threads=opts.threads,
+        omp_cpus=cpus,
         max_model_len=opts.max_model_len,
         dtype=opts.dtype,
         extra_args=extra,
@@ -188,6 +191,29 @@ def vllm_server(
         start_timeout_s=opts.start_timeout_s,
     )
     return server, events
+
+
+_CPU_SLOTS: set[int] = set()  # the slots of this process's vLLM engines that are up
+
+
+@contextmanager
+def cpu_slot(threads: int | None) -> Iterator[list[int] | None]:
+    """The CPUs of one more vLLM engine on this host: the ``threads`` after those of the
+    engines already up (wrapping round; the engines of one run have the same ``threads``).
+
+    Two engines of one thread each get a CPU each instead of both spinning on the
+    first. None when ``threads`` is None (vLLM binds all of them).
+    """
+    if threads is None:
+        yield None
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    slot = next(i for i in itertools.count() if i not in _CPU_SLOTS)
+    _CPU_SLOTS.add(slot)
+    try:
+        yield [allowed[(slot * threads + j) % len(allowed)] for j in range(threads)]
+    finally:
+        _CPU_SLOTS.discard(slot)
 
 
 @contextmanager
@@ -223,19 +249,34 @@ def engine_process(
         return
     if role != "both":
         raise ValueError("vLLM engines serve both roles here (no P/D with vLLM)")
-    from kvtier.bench.lib.vllm_peer import VllmError, find_vllm
+    from kvtier.bench.lib.vllm_peer import find_vllm
 
     if find_vllm(opts.vllm_venv) is None:
         raise RuntimeError(f"vLLM is not installed in {opts.vllm_venv or '.venv-vllm'}")
     from kvtier.bench.lib.vllm_peer import default_model_dir
 
     model_dir = ensure_hf_export(default_model_dir(), workdir / "export-hf.log")
-    vllm, events = vllm_server(
-        opts, workdir, name, kv_tokens, connector=connector, model_dir=model_dir
-    )
+    with cpu_slot(opts.threads) as cpus:
+        vllm, events = vllm_server(
+            opts, workdir, name, kv_tokens, connector=connector, model_dir=model_dir, cpus=cpus
+        )
+        yield from _run_vllm(vllm, events, name, log, info, tokens)
+
+
+def _run_vllm(
+    vllm: VllmServer,
+    events: dict[str, Any],
+    name: str,
+    log: Path,
+    info: dict[str, Any],
+    tokens: int,
+) -> Iterator[EngineProcess]:
+    from kvtier.bench.lib.vllm_peer import VllmError
+
     info.update(
         num_gpu_blocks=tokens // VLLM_BLOCK_TOKENS,
         block_size=VLLM_BLOCK_TOKENS,
+        omp_cpus=list(vllm.omp_cpus or []),
         kv_events_config=events,
         command=" ".join(vllm.command(Path("python"))[1:]),
     )

