@@ -328,7 +328,8 @@ class Proxy:
             )
             if isinstance(outcome, Response):
                 if prompt.ids is not None and leg != "prefill":
-                    self.hot.observe(prompt.ids, max(decision.g1_tokens, decision.shared_tokens))
+                    held = max(decision.g1_tokens, decision.shared_tokens)
+                    self.hot.observe(prompt.ids, max(held, self.hot.repeats(prompt.ids)))
                 if decision.g1_tokens:
                     self.metrics.matched_tokens.labels("g1").inc(decision.g1_tokens)
                 if decision.hit_tokens > decision.g1_tokens:

@@ -18,8 +18,13 @@
             warm_cancel_load requests in flight); then warming = False
 
 A prefix is counted when a request is routed to an engine that holds it (in
-G1 or the shared tier, as ``cache_aware`` found it): a prefix two requests
-share. The score of a prefix is hits x length (prompt tokens it saves).
+G1 or the shared tier, as ``cache_aware`` found it), or when an earlier
+request's prompt started with it (``HotPrefixes.repeats``): a prefix two
+requests share. The second matters on a busy fleet, where a document's
+later questions are routed while its first is still queued, so no engine
+holds it yet: on a 2-vCPU host without bf16, the router's index saw 3 of the
+8 primed documents as hits, and warm-up handed over only those 3. The score
+of a prefix is hits x length (prompt tokens it saves).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import xxhash
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvtier.router.engines import Engine, EnginePool
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 MIN_PREFIX_TOKENS = 16  # shorter hits are not worth a warm-up request
 MAX_PREFIX_TOKENS = 8192  # a longer prefix is kept to this many tokens
 MAX_TOTAL_TOKENS = 2_000_000  # tokens of every prefix kept, at most (4 bytes each)
+REPEAT_BLOCK_TOKENS = 16  # repeats are found in whole blocks of this many tokens
+REPEAT_CAPACITY = 1 << 17  # prefix hashes remembered for repeats (8 bytes each, and the dict's)
 WARM_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _POLL_S = 0.05
 
@@ -67,9 +75,31 @@ class HotPrefixes:
         self._capacity = capacity
         self._hot: OrderedDict[bytes, _Hot] = OrderedDict()
         self._tokens = 0
+        self._seen: OrderedDict[int, None] = OrderedDict()  # prefix hashes, least recent first
 
     def __len__(self) -> int:
         return len(self._hot)
+
+    def repeats(self, ids: list[int]) -> int:
+        """Tokens of the longest prefix of ``ids`` (whole blocks of
+        ``REPEAT_BLOCK_TOKENS``, at most ``MAX_PREFIX_TOKENS``) that an earlier prompt
+        given here started with; ``ids``'s prefixes are remembered for later prompts."""
+        data = array("I", ids[:MAX_PREFIX_TOKENS]).tobytes()
+        step = 4 * REPEAT_BLOCK_TOKENS
+        h = xxhash.xxh3_64()
+        found = 0
+        for end in range(step, len(data) + 1, step):
+            h.update(data[end - step : end])
+            d = h.intdigest()
+            if d in self._seen:
+                self._seen.move_to_end(d)
+                if found == end - step:  # a prefix: every block before it was seen too
+                    found = end
+            else:
+                self._seen[d] = None
+        while len(self._seen) > REPEAT_CAPACITY:
+            self._seen.popitem(last=False)
+        return found // 4
 
     def observe(self, ids: list[int], hit_tokens: int) -> None:
         """A request whose first ``hit_tokens`` prompt tokens some engine already held."""

@@ -183,3 +183,15 @@ def test_hottest_prefixes_rank_by_tokens_saved_within_a_budget() -> None:
     for i in range(3):
         hot.observe(list(range(1000 + 100 * i, 1100 + 100 * i)), 32)
     assert len(hot) == 3  # bounded: the least recently hit were forgotten
+
+
+def test_a_prefix_asked_again_is_hot_before_any_engine_holds_it() -> None:
+    hot = HotPrefixes(capacity=8)
+    doc = list(range(1000, 1100))  # 100 tokens: 6 whole blocks of 16
+    assert hot.repeats([*doc, 1, 2, 3]) == 0  # the first time: nothing to repeat
+    assert hot.repeats([*doc, 4, 5, 6]) == 96  # queued behind the first: no engine holds it
+    assert hot.repeats(doc[:40] + [9] * 30) == 32  # the blocks it shares
+    assert hot.repeats([7] * 16 + doc) == 0  # the same tokens after others are no prefix
+    for question in ([4, 5, 6], [8, 8, 8]):
+        hot.observe(doc + question, hot.repeats(doc + question))
+    assert hot.hottest(None, 8) == [doc[:96]]  # two requests share it: handed to a joiner
