@@ -19,6 +19,7 @@ float32 than a layout tuned for one row, and the same in bf16.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -30,14 +31,28 @@ logger = logging.getLogger(__name__)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where oneDNN's packed linear is available and used: CPU, bfloat16 or float32."""
+    """True where oneDNN's packed linear is available and used: CPU, bfloat16 or float32,
+    on a CPU whose oneDNN packs that dtype (bf16 needs avx512bw/vl/dq or avx_ne_convert:
+    an AVX2-only host computes bf16 with plain ``F.linear``)."""
     return (
         device.type == "cpu"
         and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _packs_here(dtype)
     )
+
+
+@functools.cache
+def _packs_here(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs ``dtype`` (it raises where it cannot: tried once)."""
+    try:
+        _pack(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError as e:
+        logger.info("no oneDNN packed linear for %s on this CPU: %s", dtype, e)
+        return False
+    return True
 
 
 def _pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:

@@ -369,4 +369,6 @@ def test_float32_engine_logits_agree_with_and_without_the_kernels(
         a = fast.score(tokens, use_prefix_cache=use_cache)
         b = slow.score(tokens, use_prefix_cache=use_cache)
         assert a.start == b.start and (a.start > 0) == use_cache
-        torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+        # NOTE: an AVX2-only host (no AVX-512) accumulates in another order: one logit of
+        # 57,600 was 1.1e-4 off; a wrong kernel is off by whole units
+        torch.testing.assert_close(a.logits, b.logits, atol=5e-4, rtol=1e-4)

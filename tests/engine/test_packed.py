@@ -13,7 +13,8 @@ from kvtier.engine.models import packed as packed_mod
 from kvtier.engine.models.packed import PackedLinear, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(
-    not packing_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN packed linear"
+    not packing_supported(torch.device("cpu"), torch.bfloat16),
+    reason="no oneDNN packed bf16 linear on this CPU",
 )
 
 
