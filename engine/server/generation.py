@@ -83,6 +83,10 @@ class Generation:
         self.finals: list[RequestOutput | None] = [None] * len(prompts)
         self._closed = False
 
+    def engine_steps(self) -> int:
+        """The engine's steps so far (its pulse: ``streaming.Progress``)."""
+        return self._engine.stats().num_steps
+
     @property
     def finished(self) -> bool:
         """True once every engine request reported its final output."""

@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``/v1/completions`` answer ``tokens``
 tokens (streamed as SSE or as one JSON body), after ``first_byte_delay_s``
-and ``token_delay_s`` between tokens. ``GET /health`` answers 200 unless
+and ``token_delay_s`` between tokens (a stream gets an SSE comment, ``:
+keep-alive``, every ``keep_alive_s`` of that wait, when set). ``GET /health`` answers 200 unless
 ``healthy`` is False; ``/metrics`` reports ``running`` requests;
 ``/kv_events`` serves the batches added with ``publish`` (the engine's
 format, docs/router.md). ``kill()`` closes the listener and every open
@@ -41,6 +42,7 @@ class FakeEngine:
         self.tokens = tokens
         self.first_byte_delay_s = first_byte_delay_s
         self.token_delay_s = token_delay_s
+        self.keep_alive_s = 0.0
         self.namespace = namespace
         self.healthy = True
         self.api_key: str | None = None  # every route but /health and /metrics needs it
@@ -162,6 +164,13 @@ def _handler(fake: FakeEngine) -> type[BaseHTTPRequestHandler]:
             except OSError:
                 return True
 
+        def _wait(self, s: float) -> None:
+            end = time.monotonic() + s
+            while fake.keep_alive_s > 0 and end - time.monotonic() > fake.keep_alive_s:
+                time.sleep(fake.keep_alive_s)
+                self._write(b": keep-alive\n\n")
+            time.sleep(max(0.0, end - time.monotonic()))
+
         def _write(self, data: bytes) -> None:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             self.wfile.flush()
@@ -246,7 +255,7 @@ def _handler(fake: FakeEngine) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             for i in range(n):
                 if i:
-                    time.sleep(fake.token_delay_s)
+                    self._wait(fake.token_delay_s)
                 delta = {"content": f" {fake.name}{i}"} if chat else None
                 choice = (
                     {"index": 0, "delta": delta}

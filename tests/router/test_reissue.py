@@ -85,3 +85,27 @@ def test_a_stream_without_token_ids_ends_with_an_error_and_counts_as_failed(
         counts = httpx.get(router.url + "/failover", trust_env=False).json()
         assert counts["streams_interrupted"] == 1 and counts["failed_requests"] == 1, counts
         assert counts["streams_completed"] == 0
+
+
+@pytest.mark.parametrize("keep_alive", [True, False], ids=["keep_alive", "silent"])
+def test_an_engine_that_sends_keep_alives_between_slow_tokens_is_not_taken_for_stalled(
+    pair: tuple[FakeEngine, FakeEngine], tiny_model: Path, keep_alive: bool
+) -> None:
+    slow, _ = pair
+    slow.tokens, slow.token_delay_s = 3, 1.5  # 3x the router's stall timeout between tokens
+    slow.keep_alive_s = 0.2 if keep_alive else 0.0
+    with _router(pair, tiny_model) as router:
+        _first_to_slow(router, slow)
+        body = {"prompt": "a question", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30,
+                          trust_env=False) as r:  # fmt: skip
+            lines = [line for line in r.iter_lines() if line]
+        counts = httpx.get(router.url + "/failover", trust_env=False).json()
+    assert r.headers["x-kvtier-engine"] == slow.url
+    texts = [line for line in lines if "slow" in line]
+    if keep_alive:  # one stream from the slow engine, the comments not relayed
+        assert len(texts) == 3 and lines[-1] == "data: [DONE]", lines
+        assert not any(line.startswith(":") for line in lines)
+        assert counts["streams_interrupted"] == 0, counts
+    else:  # the same silence without them is a stall
+        assert counts["streams_interrupted"] == 1, counts
