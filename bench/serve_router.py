@@ -16,7 +16,10 @@ converted to each engine's bytes or blocks at its own dtype
 multi-round workload (``bench/lib/serve_workloads.py``: users share a
 system prompt, each has a context, every round re-sends the history), the
 same two engines (no connector: G1 only) one policy after the other. Each
-policy gets its own seed (no text of one run is in the other's), and
+policy gets its own seed for its texts (no text of one run is in the other's)
+and the same arrival times (a tail set by a burst of arrivals is the same
+burst for both; before, the seed drew the arrivals too, and the two policies'
+TTFT p99 compared different bursts), and
 ``round_robin`` goes first, so it starts with empty caches and
 ``cache_aware`` with the caches full of the other run's text. With the
 default ``--kv-tokens`` 3,600 about half the users fit in one engine's G1
@@ -240,6 +243,8 @@ def measure(
 
 
 def multi_round(args: argparse.Namespace, count: Callable[[str], int], seed: int) -> Workload:
+    """The policies' workload: texts from ``seed``, arrivals from ``--seed`` (every policy
+    gets the same arrival times)."""
     cfg = MultiRoundConfig(
         users=args.users,
         rounds=args.rounds,
@@ -248,6 +253,7 @@ def multi_round(args: argparse.Namespace, count: Callable[[str], int], seed: int
         answer_tokens=args.answer_tokens,
         qps=args.qps,
         seed=seed,
+        arrival_seed=args.seed,
     )
     return build_multi_round(cfg, count)
 

@@ -42,6 +42,7 @@ class Capacity:
         e2e_s: Each completed request's send-to-last-byte time.
         ttft_s: Each completed request's time to its first token.
         errors: Requests that failed (not counted as completed).
+        first_error: The first failed request's error, if any (for the message).
     """
 
     requests: int
@@ -50,6 +51,7 @@ class Capacity:
     e2e_s: list[float]
     ttft_s: list[float]
     errors: int
+    first_error: str | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -81,12 +83,12 @@ def sized_rate(capacity: Capacity, load: float) -> float:
     if not capacity.e2e_s or capacity.errors * 3 > capacity.requests:
         raise ValueError(
             f"the capacity measurement failed: {capacity.errors} of {capacity.requests} "
-            "requests failed"
+            f"requests failed (first: {capacity.first_error})"
         )
     return load * capacity.requests_per_s
 
 
-async def measure_capacity(
+async def send_closed_loop(
     url: str,
     messages: list[list[dict[str, str]]],
     *,
@@ -94,8 +96,9 @@ async def measure_capacity(
     max_tokens: int,
     timeout_s: float,
     model: str = "smollm2",
-) -> Capacity:
-    """Sends every one of ``messages`` to ``url``, ``concurrency`` at a time (closed loop).
+) -> tuple[list[Stream], float]:
+    """Sends every one of ``messages`` to ``url`` in order, ``concurrency`` at a time, each
+    when one before it completed; returns the streams and first send to last completion.
 
     Raises:
         ValueError: for no messages or a concurrency below 1.
@@ -119,12 +122,34 @@ async def measure_capacity(
                 last = max(last, time.perf_counter())
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(streams)))))
+    return streams, last - t0
+
+
+async def measure_capacity(
+    url: str,
+    messages: list[list[dict[str, str]]],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    timeout_s: float,
+    model: str = "smollm2",
+) -> Capacity:
+    """Sends every one of ``messages`` to ``url``, ``concurrency`` at a time (closed loop).
+
+    Raises:
+        ValueError: for no messages or a concurrency below 1.
+    """
+    streams, elapsed_s = await send_closed_loop(
+        url, messages, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout_s,
+        model=model,
+    )  # fmt: skip
     ok = [s for s in streams if s.error is None and s.ttft_s is not None]
     return Capacity(
         requests=len(streams),
         concurrency=concurrency,
-        elapsed_s=last - t0,
+        elapsed_s=elapsed_s,
         e2e_s=[s.e2e_s for s in ok],
         ttft_s=[s.ttft_s for s in ok if s.ttft_s is not None],
         errors=len(streams) - len(ok),
+        first_error=next((s.error for s in streams if s.error is not None), None),
     )

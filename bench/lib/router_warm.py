@@ -3,8 +3,16 @@
 One engine (the fleet) with the kvtier connector on a ``kvtier serve`` cache
 server, behind ``kvtier router --policy cache_aware``. **Priming**: questions
 about the fleet's hot documents (each a shared prefix; every document asked
-``prime_rounds`` times, in a shuffled order), so the fleet's G1, the shared
-tier and the router's hit statistics know them all. Then, twice:
+``prime_rounds`` times: rounds of all documents, each round in a shuffled
+order), so the fleet's G1, the shared tier and the router's hit statistics
+know them all. Priming is a closed loop of ``prime_concurrency`` requests in
+flight, each sent when one before it completed: it is not measured, and must
+not overload the engine it primes. (It used to arrive at a fixed 2 req/s. On
+a 2-vCPU host without native bf16, 24 questions on 3,000-token documents
+then arrived within 12 s, one float32 engine shared its steps among all of
+them, every one ran past the 120 s request timeout, and the engine was still
+busy with them when the capacity measurement began: its 12 requests timed
+out too and the phase failed.) Then, twice:
 
 1. a fresh engine (the same build, connector on the same tier) is started
    and joins through ``POST /engines`` — ``"warm": false`` the first time,
@@ -82,7 +90,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.lib.router_capacity import measure_capacity, sized_rate
+from kvtier.bench.lib.router_capacity import measure_capacity, send_closed_loop, sized_rate
 from kvtier.bench.lib.router_failover import Stream, stream_request
 from kvtier.bench.lib.router_fleet import (
     EngineProcess,
@@ -105,7 +113,7 @@ class WarmLoad:
     question_tokens: int = 24
     answer_tokens: int = 16
     prime_rounds: int = 3  # every document is asked this many times while priming
-    prime_qps: float = 2.0  # priming's arrivals (not measured)
+    prime_concurrency: int = 2  # priming's requests in flight (a closed loop; not measured)
     qps: float | None = None  # the window's arrivals; None: load x the measured capacity
     load: float = 0.5  # share of the fleet engine's measured capacity the window offers
     capacity_requests: int = 12
@@ -118,7 +126,9 @@ class WarmLoad:
     def __post_init__(self) -> None:
         if self.documents < 1 or self.prime_rounds < 2:
             raise ValueError("at least one document, primed at least twice (a hit counts)")
-        if self.prime_qps <= 0 or (self.qps is not None and self.qps <= 0):
+        if self.prime_concurrency < 1:
+            raise ValueError(f"priming needs a concurrency >= 1, got {self.prime_concurrency}")
+        if self.qps is not None and self.qps <= 0:
             raise ValueError("arrival rates must be positive")
         if not 0 < self.load <= 1:
             raise ValueError(f"load must be in (0, 1], got {self.load}")
@@ -132,9 +142,16 @@ class WarmLoad:
 
 
 def _prime_order(load: WarmLoad, rng: random.Random) -> list[int]:
-    """Every document ``prime_rounds`` times, shuffled: each is hot, none by chance alone."""
-    order = [d for d in range(load.documents) for _ in range(load.prime_rounds)]
-    rng.shuffle(order)
+    """Every document ``prime_rounds`` times, in rounds of all documents (each shuffled): each
+    is hot, none by chance alone, and no document is asked again before all were asked once
+    (two requests for a document nobody has computed yet would both compute it)."""
+    order: list[int] = []
+    for _ in range(load.prime_rounds):
+        round_ = list(range(load.documents))
+        rng.shuffle(round_)
+        if order and len(round_) > 1 and round_[0] == order[-1]:
+            round_[0], round_[-1] = round_[-1], round_[0]
+        order += round_
     return order
 
 
@@ -302,11 +319,18 @@ def run_warm_start(
         say(f"warm start: fleet engine up at {fleet.url}; priming {len(order)} requests "
             f"on {load.documents} documents of {load.document_tokens} tokens")  # fmt: skip
         prime, _ = _questions(maker, docs, len(order), load.question_tokens, rng, order)
-        arrivals = poisson_arrivals(load.prime_qps, len(prime), random.Random(f"{load.seed}:prime"))
-        primed = asyncio.run(
-            _send_all(router.url, prime, arrivals, load.answer_tokens, args.request_timeout_s)
-        )
-        out["prime_errors"] = sum(1 for s in primed if s.error is not None)
+        primed, prime_s = asyncio.run(
+            send_closed_loop(router.url, prime, concurrency=load.prime_concurrency,
+                             max_tokens=load.answer_tokens, timeout_s=args.request_timeout_s)
+        )  # fmt: skip
+        failed = [s.error for s in primed if s.error is not None]
+        out["prime_errors"] = len(failed)
+        out["prime_s"] = prime_s
+        say(f"  primed in {prime_s:.0f} s ({load.prime_concurrency} at a time), "
+            f"{len(failed)} failed" + (f" (first: {failed[0]})" if failed else ""))  # fmt: skip
+        if len(failed) * 3 > len(primed):
+            raise RuntimeError(f"priming failed: {len(failed)} of {len(primed)} requests "
+                               f"(first: {failed[0]})")  # fmt: skip
         qps, out["rate"] = _window_rate(fleet.url, maker, docs, load, args.request_timeout_s, say)
         out["workload"] = {**vars(load), "qps": qps}
         previous = fleet

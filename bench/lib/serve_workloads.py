@@ -232,6 +232,8 @@ class MultiRoundConfig:
     answer_tokens: int = 20
     qps: float = 0.6
     seed: int = 0
+    arrival_seed: int | None = None  # the arrivals' own seed (None: ``seed``); two runs
+    # with other texts and the same arrivals compare like with like
 
     def __post_init__(self) -> None:
         _positive(
@@ -365,7 +367,8 @@ def build_multi_round(cfg: MultiRoundConfig, count_tokens: CountTokens) -> Workl
     """The multi-round workload (see the module docstring)."""
     maker = TextMaker(count_tokens)
     system = maker.text(cfg.system_tokens, _rng(cfg.seed, "system"))
-    arrivals = poisson_arrivals(cfg.qps, cfg.users * cfg.rounds, _rng(cfg.seed, "arrivals"))
+    arrival_seed = cfg.seed if cfg.arrival_seed is None else cfg.arrival_seed
+    arrivals = poisson_arrivals(cfg.qps, cfg.users * cfg.rounds, _rng(arrival_seed, "arrivals"))
     lanes = []
     for u in range(cfg.users):
         context = maker.text(cfg.context_tokens, _rng(cfg.seed, "context", u))

@@ -118,6 +118,18 @@ def test_multi_round_arrivals_interleave_users() -> None:
     assert again.lanes[1].session.messages() == w.lanes[1].session.messages()
 
 
+def test_multi_round_arrival_seed_keeps_the_times_and_changes_the_texts() -> None:
+    def build(seed: int, arrival_seed: int | None) -> list:
+        cfg = MultiRoundConfig(users=3, rounds=2, system_tokens=20, context_tokens=20,
+                               seed=seed, arrival_seed=arrival_seed)  # fmt: skip
+        return build_multi_round(cfg, words).lanes
+
+    a, b, c = build(100, 0), build(200, 0), build(200, None)
+    assert [x.arrivals for x in a] == [x.arrivals for x in b]  # one burst for both runs
+    assert [x.session.context for x in a] != [x.session.context for x in b]
+    assert [x.arrivals for x in b] != [x.arrivals for x in c]  # default: the seed's own
+
+
 def test_doc_qa_lengths_popularity_and_lanes() -> None:
     cfg = DocQaConfig(documents=40, min_tokens=100, max_tokens=400, questions=30, seed=5)
     lengths = doc_lengths(cfg)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 from kvtier.bench import serve_router
 from kvtier.bench.lib.router_capacity import Capacity, measure_capacity, sized_rate
 from kvtier.bench.lib.router_fleet import FleetOptions, cpu_slot, kvtier_server, vllm_server
-from kvtier.bench.lib.router_warm import WarmLoad
+from kvtier.bench.lib.router_warm import WarmLoad, _prime_order
 from tests.bench.fake_openai import FakeOpenAI
 
 
@@ -161,7 +163,8 @@ def test_the_warm_start_rate_is_a_share_of_the_measured_capacity() -> None:
     assert four.requests_per_s > 2 * one.requests_per_s
     assert sized_rate(four, 0.5) == pytest.approx(0.5 * four.requests_per_s)
     assert four.to_json()["completed"] == 8
-    with pytest.raises(ValueError, match="failed"):
+    assert failing.first_error is not None and "500" in failing.first_error
+    with pytest.raises(ValueError, match=r"failed.*500"):
         sized_rate(failing, 0.5)
     with pytest.raises(ValueError, match="load"):
         sized_rate(four, 1.5)
@@ -178,3 +181,15 @@ def test_warm_start_options_are_checked_before_anything_starts() -> None:
         WarmLoad(load=1.5)
     with pytest.raises(ValueError, match="positive"):
         WarmLoad(qps=0.0)
+    with pytest.raises(ValueError, match="concurrency"):
+        WarmLoad(prime_concurrency=0)
+
+
+def test_priming_asks_every_document_once_before_any_twice() -> None:
+    load = WarmLoad(documents=5, prime_rounds=3)
+    for seed in range(20):
+        order = _prime_order(load, random.Random(seed))
+        assert sorted(order) == sorted(list(range(5)) * 3)
+        for r in range(3):  # rounds of all documents
+            assert sorted(order[5 * r : 5 * r + 5]) == list(range(5))
+        assert all(a != b for a, b in itertools.pairwise(order))
