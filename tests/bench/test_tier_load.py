@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kvtier.bench.tier_load import bars
+from kvtier.bench.tier_load import bars, p99_ratio_interval
 from kvtier.bench.tier_load_clients import (
     CHUNKS,
     ModelChunk,
@@ -68,3 +68,21 @@ def test_the_bar_compares_the_tier_with_the_raw_client_row_by_row() -> None:
     rows.append(_row("aerospike-raw", 8, 50.0, op="put"))
     assert not bars(rows, {**kill, "failed_requests": 1})["node_kill_clean"]
     assert not bars(rows, kill)["tier_within_1_2x_of_raw_p99"]  # 61 / 50 = 1.22
+
+
+def test_the_p99_ratio_interval_is_wide_for_few_samples_and_holds_a_clear_gap() -> None:
+    import random
+
+    rng = random.Random(0)
+    same = [rng.expovariate(1.0) for _ in range(400)]
+    other = [rng.expovariate(1.0) for _ in range(400)]
+    lo, hi = p99_ratio_interval(same, other)
+    assert lo < 1.0 < hi  # one distribution: the interval holds 1
+    assert hi - lo > 0.3  # and 400 samples leave it wide
+    width = hi - lo
+    slow = [3 * x for x in same]
+    assert p99_ratio_interval(slow, other)[0] > 1.5  # three times slower is told apart
+    many = [rng.expovariate(1.0) for _ in range(4000)]
+    many2 = [rng.expovariate(1.0) for _ in range(4000)]
+    lo4, hi4 = p99_ratio_interval(many, many2)
+    assert lo4 < 1.0 < hi4 and hi4 - lo4 < 0.6 * width  # 10x the samples, a narrower one
