@@ -9,10 +9,9 @@ know them all. Priming is a closed loop of ``prime_concurrency`` requests in
 flight, each sent when one before it completed: it is not measured, and must
 not overload the engine it primes. (It used to arrive at a fixed 2 req/s. On
 a 2-vCPU host without native bf16, 24 questions on 3,000-token documents
-then arrived within 12 s, one float32 engine shared its steps among all of
-them, every one ran past the 120 s request timeout, and the engine was still
-busy with them when the capacity measurement began: its 12 requests timed
-out too and the phase failed.) Then, twice:
+then arrived within 12 s, one float32 engine computing ~50 prompt tokens a
+second shared its steps among all of them, and the 12 requests of the
+capacity measurement after them failed too: the phase failed.) Then, twice:
 
 1. a fresh engine (the same build, connector on the same tier) is started
    and joins through ``POST /engines`` — ``"warm": false`` the first time,
