@@ -513,6 +513,8 @@ def main() -> None:
     tune_allocator()
     concurrency = [int(c) for c in (args.concurrency or "1,2,4,8,16,32,64").split(",")]
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if "redis" in tiers and not RedisProcess.available():  # before the other stores' minutes
+        raise SystemExit("redis: redis-server is not on PATH (apt-get install redis-server)")
     options = dict(o.split("=", 1) for o in args.tier_option)
     # NOTE: the clients stand for N engines, each with a tenant of its own in a deployment
     # (deploy/kvtier/kvtier-server.yaml), but reach this open server as one anonymous tenant,
@@ -569,10 +571,6 @@ def main() -> None:
                     driver, {"server": lambda _n: spec}, 1, blocks, concurrency, args.quick, log
                 )
         if "redis" in tiers:
-            if not RedisProcess.available():
-                raise SystemExit(
-                    "redis: redis-server is not on PATH (apt-get install redis-server)"
-                )
             with RedisProcess(memory) as redis:
                 spec_r = {"kind": "redis", "port": redis.port}
                 rows += measure(
