@@ -364,6 +364,7 @@ def run_warm_start(
                 "joiner_counters": run_metrics(samples),  # since it started
                 "joiner_connector": _connector_counts(samples),
                 "errors": sum(1 for s in streams if s.error is not None),
+                "first_errors": [s.error for s in streams if s.error is not None][:3],
                 "sent": len(streams),
                 "ttft_p50_s": percentile(ttft, 50),
                 "ttft_p99_s": percentile(ttft, 99),
