@@ -96,8 +96,12 @@ class Generation:
         task = asyncio.ensure_future(anext(self._iters[index]))
         self._pending[task] = index
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields ``(choice index, output)`` as the engine produces them, in arrival order.
+    async def outputs(
+        self, wait_s: float | None = None
+    ) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+        """Yields ``(choice index, output)`` as the engine produces them, in arrival order;
+        with ``wait_s``, also ``None`` each time that passes without one (a stream's
+        heartbeat: ``streaming.py``).
 
         Raises:
             APIError: if the engine rejects a request or stops.
@@ -105,7 +109,12 @@ class Generation:
         for i in range(len(self._iters)):
             self._schedule(i)
         while self._pending:
-            done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                self._pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                yield None
+                continue
             for task in done:
                 index = self._pending.pop(task)
                 try:

@@ -22,12 +22,11 @@ silent (after ``PROGRESS_WINDOW_S``), and a stopped process at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -39,7 +38,6 @@ from kvtier.engine.server.errors import APIError
 from kvtier.engine.server.generation import Generation
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_KEEP_ALIVE = ": keep-alive\n\n"
@@ -110,37 +108,6 @@ class Progress:
         return now - self._at < self._window_s
 
 
-async def with_heartbeats(
-    items: AsyncIterator[T], every_s: float, alive: Callable[[], bool]
-) -> AsyncIterator[T | None]:
-    """``items``, with a ``None`` each time ``every_s`` passes without the next one while
-    ``alive()`` says so.
-
-    The pending ``anext`` is never cancelled by a heartbeat (a cancelled ``anext``
-    would close the generator); it is cancelled only when this iterator is closed.
-    """
-    pending: asyncio.Task[T] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(items))
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
-            if not done:
-                if alive():
-                    yield None
-                continue
-            task, pending = pending, None
-            try:
-                yield task.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-
-
 async def start_stream(
     generation: Generation, render: Render, tail: Tail, release: Callable[[], None]
 ) -> SSEResponse:
@@ -156,9 +123,11 @@ async def start_stream(
         APIError: if the engine rejects the request before its first output
             (the generation is closed then; ``release`` is left to the caller).
     """
-    outputs = generation.outputs()
+    outputs = generation.outputs(HEARTBEAT_S)
     try:
         first = await anext(outputs)
+        while first is None:  # no heartbeat before the response starts
+            first = await anext(outputs)
     except (APIError, StopAsyncIteration) as e:
         await outputs.aclose()
         await generation.close()
@@ -173,9 +142,10 @@ async def start_stream(
             for event in render(*first):
                 yield sse_event(event)
             try:
-                async for item in with_heartbeats(outputs, HEARTBEAT_S, progress):
+                async for item in outputs:
                     if item is None:
-                        yield SSE_KEEP_ALIVE
+                        if progress():
+                            yield SSE_KEEP_ALIVE
                         continue
                     for event in render(*item):
                         yield sse_event(event)
