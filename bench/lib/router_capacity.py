@@ -58,6 +58,20 @@ class Capacity:
         """Completed requests per second (0.0 when none completed)."""
         return len(self.e2e_s) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @classmethod
+    def of(cls, streams: list[Stream], elapsed_s: float, concurrency: int) -> Capacity:
+        """The measurement of one closed loop (``send_closed_loop``'s streams and time)."""
+        ok = [s for s in streams if s.error is None and s.ttft_s is not None]
+        return cls(
+            requests=len(streams),
+            concurrency=concurrency,
+            elapsed_s=elapsed_s,
+            e2e_s=[s.e2e_s for s in ok],
+            ttft_s=[s.ttft_s for s in ok if s.ttft_s is not None],
+            errors=len(streams) - len(ok),
+            first_error=next((s.error for s in streams if s.error is not None), None),
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "requests_per_s": self.requests_per_s,
@@ -123,33 +137,3 @@ async def send_closed_loop(
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(streams)))))
     return streams, last - t0
-
-
-async def measure_capacity(
-    url: str,
-    messages: list[list[dict[str, str]]],
-    *,
-    concurrency: int,
-    max_tokens: int,
-    timeout_s: float,
-    model: str = "smollm2",
-) -> Capacity:
-    """Sends every one of ``messages`` to ``url``, ``concurrency`` at a time (closed loop).
-
-    Raises:
-        ValueError: for no messages or a concurrency below 1.
-    """
-    streams, elapsed_s = await send_closed_loop(
-        url, messages, concurrency=concurrency, max_tokens=max_tokens, timeout_s=timeout_s,
-        model=model,
-    )  # fmt: skip
-    ok = [s for s in streams if s.error is None and s.ttft_s is not None]
-    return Capacity(
-        requests=len(streams),
-        concurrency=concurrency,
-        elapsed_s=elapsed_s,
-        e2e_s=[s.e2e_s for s in ok],
-        ttft_s=[s.ttft_s for s in ok if s.ttft_s is not None],
-        errors=len(streams) - len(ok),
-        first_error=next((s.error for s in streams if s.error is not None), None),
-    )

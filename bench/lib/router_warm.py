@@ -89,7 +89,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.lib.router_capacity import measure_capacity, send_closed_loop, sized_rate
+from kvtier.bench.lib.router_capacity import Capacity, send_closed_loop, sized_rate
 from kvtier.bench.lib.router_failover import Stream, stream_request
 from kvtier.bench.lib.router_fleet import (
     EngineProcess,
@@ -241,10 +241,11 @@ def _window_rate(
         return load.qps, {"source": "given", "qps": load.qps}
     rng = random.Random(f"{load.seed}:warm-capacity")
     msgs, _ = _questions(maker, docs, load.capacity_requests, load.question_tokens, rng)
-    capacity = asyncio.run(
-        measure_capacity(url, msgs, concurrency=load.capacity_concurrency,
+    streams, elapsed_s = asyncio.run(
+        send_closed_loop(url, msgs, concurrency=load.capacity_concurrency,
                          max_tokens=load.answer_tokens, timeout_s=timeout_s)
     )  # fmt: skip
+    capacity = Capacity.of(streams, elapsed_s, load.capacity_concurrency)
     try:
         qps = sized_rate(capacity, load.load)
     except ValueError as e:

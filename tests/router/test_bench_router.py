@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvtier.bench import serve_router
-from kvtier.bench.lib.router_capacity import Capacity, measure_capacity, sized_rate
+from kvtier.bench.lib.router_capacity import Capacity, send_closed_loop, sized_rate
 from kvtier.bench.lib.router_fleet import FleetOptions, cpu_slot, kvtier_server, vllm_server
 from kvtier.bench.lib.router_warm import WarmLoad, _prime_order
 from tests.bench.fake_openai import FakeOpenAI
@@ -153,8 +153,11 @@ def test_the_warm_start_rate_is_a_share_of_the_measured_capacity() -> None:
     with FakeOpenAI(tokens=5, delay_s=0.02) as fake:  # 0.1 s a request, served in parallel
 
         def measure(concurrency: int, batch: list[list[dict[str, str]]] = msgs) -> Capacity:
-            return asyncio.run(measure_capacity(fake.url, batch, concurrency=concurrency,
-                                                max_tokens=5, timeout_s=30.0))  # fmt: skip
+            streams, elapsed_s = asyncio.run(
+                send_closed_loop(fake.url, batch, concurrency=concurrency, max_tokens=5,
+                                 timeout_s=30.0)
+            )  # fmt: skip
+            return Capacity.of(streams, elapsed_s, concurrency)
 
         one, four = measure(1), measure(4)
         failing = measure(2, [[{"role": "user", "content": "behaviour=http500"}]] * 4)
