@@ -78,17 +78,25 @@ def bound_to(block: bytes, key: bytes) -> bytes:
     h = xxhash.xxh64(header)
     h.update(memoryview(block)[HEADER_SIZE:])
     header[_CHECKSUM_AT : _CHECKSUM_AT + 8] = h.intdigest().to_bytes(8, "little")
-    out = bytes(header) + block[HEADER_SIZE:]
+    # NOTE: one copy of the body (a slice and a concatenation were two, ~10 ms for
+    # 11 MiB): CPU the clients spend between timed calls is CPU the stores lose.
+    out = b"".join((header, memoryview(block)[HEADER_SIZE:]))
     verify_block(out, key=key)
     return out
 
 
 def same_object(got: bytes | None, block: bytes, key: bytes) -> bool:
-    """Whether ``got`` is ``block`` bound to ``key`` (compared without copies)."""
+    """Whether ``got`` is ``block`` bound to ``key``: byte for byte, without copies.
+
+    NOTE: ``bytes.startswith`` at an offset is one ``memcmp`` (~1 ms for 11 MiB);
+    comparing two memoryviews goes item by item (~22 ms), CPU every client spent
+    between its timed calls, taken from the stores it measured.
+    """
     if got is None or len(got) != len(block):
         return False
-    view, want = memoryview(got), memoryview(block)
-    return view[_KEY_AT : _KEY_AT + len(key)] == key and view[HEADER_SIZE:] == want[HEADER_SIZE:]
+    return got.startswith(key, _KEY_AT) and got.startswith(
+        memoryview(block)[HEADER_SIZE:], HEADER_SIZE
+    )
 
 
 class LoadClient(Protocol):

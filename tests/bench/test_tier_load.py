@@ -16,7 +16,7 @@ from kvtier.bench.tier_load_clients import (
     percentile,
     same_object,
 )
-from kvtier.block import verify_block
+from kvtier.block import HEADER_SIZE, verify_block
 from kvtier.errors import KeyMismatchError
 
 
@@ -47,8 +47,10 @@ def test_a_block_bound_to_a_key_verifies_for_that_key_only() -> None:
         verify_block(bound, key=other)
     assert same_object(bound, block, key)
     assert not same_object(bound, block, other)
-    damaged = bound[:-1] + bytes([bound[-1] ^ 1])
-    assert not same_object(damaged, block, key)
+    for at in (HEADER_SIZE, len(bound) - 1):  # the body's first and last byte
+        damaged = bound[:at] + bytes([bound[at] ^ 1]) + bound[at + 1 :]
+        assert not same_object(damaged, block, key)
+    assert not same_object(bound[:-1], block, key)
     assert not same_object(None, block, key)
 
 
