@@ -364,7 +364,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
         checksum=checksum,
         key=key,
     )
-    itemsize = torch.empty((), dtype=header.payload_dtype).element_size()
+    itemsize = header.payload_dtype.itemsize
     if raw_len != _numel(header.shape) * itemsize:
         raise BadLengthError(
             f"raw payload length {raw_len} does not match shape {header.shape} of {header.payload_dtype}"
@@ -478,7 +478,7 @@ def decode_block(
         scales = _frombuffer(data, torch.float32, HEADER_SIZE, count).view(header.shape[:4])
     start = HEADER_SIZE + header.scales_len
     dtype = header.payload_dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if header.compression == Compression.LZ4:
         try:
             raw: bytes | bytearray | memoryview = lz4.block.decompress(
