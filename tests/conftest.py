@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -12,32 +10,14 @@ from typing import Any
 
 import pytest
 
+from kvtier.engine.models.hf_kernels import bind_installed_kernels
 from tests.support.timeouts import SCALE_ENV, timeout_scale
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _import_installed_kernels() -> None:
-    """Binds ``kernels`` to the installed distribution, not to this repository's ``kernels/``.
-
-    pytest puts the repository root on ``sys.path``, where ``kernels/`` (installed
-    as ``kvtier.kernels``) would answer ``import kernels``. transformers >= 5.25
-    imports Hugging Face's ``kernels`` distribution whenever it is installed, and
-    failed on ours. Nothing in the project imports the bare name.
-    """
-    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
-    if spec is None or spec.loader is None or "kernels" in sys.modules:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernels"] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception:  # a broken optional package: transformers reports it itself
-        del sys.modules["kernels"]
-
-
-_import_installed_kernels()
+# NOTE: before any test imports transformers (see kvtier.engine.models.hf_kernels).
+bind_installed_kernels()
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

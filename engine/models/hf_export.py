@@ -13,6 +13,7 @@ import torch
 
 from kvtier.engine.errors import EngineConfigError
 from kvtier.engine.models.config import ModelConfig
+from kvtier.engine.models.hf_kernels import bind_installed_kernels
 from kvtier.engine.models.llama import DecoderModel
 
 
@@ -97,6 +98,7 @@ def to_transformers(model: DecoderModel, dtype: torch.dtype | None = None) -> An
     Raises:
         EngineConfigError: for RoPE scaling this exporter does not map.
     """
+    bind_installed_kernels()  # before transformers: a checkout's kernels/ shadows it
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
