@@ -10,7 +10,9 @@
   2.5-3.5x torch's CPU flash kernel on the prefill shapes of SmolLM2
   (docs/engine.md, "Serving" has the measurements).
 * ``paged_prefill_f32.c`` — the same in float32, in portable vector C, for
-  hosts without native bf16 (where the engine runs in float32).
+  hosts without native bf16 (where the engine runs in float32). Used where
+  its 16-float vectors are one register (AVX-512): on an AVX2-only host it
+  was 7x slower than torch's flash kernel, which prefills there.
 * ``fused_ops.c`` — a decoder layer's element-wise ops (residual add +
   RMSNorm, SiLU-and-multiply, RoPE) in bfloat16 and float32, one call each
   instead of ~25 torch ops per layer: a decode step of a small model is
@@ -79,11 +81,14 @@ class CpuKernels:
             items specialised on head_dim 64/128 and group sizes 1-8.
         has_prefill: True when the bf16 prefill kernel was built (AVX512-BF16);
             the float32 one is always built.
+        f32_prefill: True when the float32 prefill kernel is the engine's
+            (built for AVX-512); elsewhere it is callable but slower than torch.
     """
 
     path: Path
     specialised: bool
     has_prefill: bool
+    f32_prefill: bool
     _decode: Callable[..., int]
     _prefill: Callable[..., int]
     _prefill_f32: Callable[..., int]
@@ -161,7 +166,7 @@ class CpuKernels:
             return False
         d = kv_cache.shape[-1]
         if kv_cache.dtype == torch.float32:
-            return d % 16 == 0
+            return self.f32_prefill and d % 16 == 0
         return self.has_prefill and kv_cache.dtype == torch.bfloat16 and d in (64, 128)
 
     def supports(self, kv_cache: torch.Tensor) -> bool:
@@ -369,6 +374,7 @@ def _load(path: Path) -> CpuKernels:
         path,
         bool(lib.kvt_has_avx512_items()),
         bool(lib.kvt_has_prefill()),
+        bool(lib.kvt_prefill_f32_native()),
         fn,
         prefill,
         prefill_f32,
