@@ -11,8 +11,9 @@
   (docs/engine.md, "Serving" has the measurements).
 * ``paged_prefill_f32.c`` — the same in float32, in portable vector C, for
   hosts without native bf16 (where the engine runs in float32). Used where
-  its 16-float vectors are one register (AVX-512): on an AVX2-only host it
-  was 7x slower than torch's flash kernel, which prefills there.
+  its 16-float vectors are one register (AVX-512): on an AVX2-only host a
+  cold 2,048-token prefill took 2.9x as long as with torch's flash kernel
+  (``bench/engine.py``), which prefills there.
 * ``fused_ops.c`` — a decoder layer's element-wise ops (residual add +
   RMSNorm, SiLU-and-multiply, RoPE) in bfloat16 and float32, one call each
   instead of ~25 torch ops per layer: a decode step of a small model is

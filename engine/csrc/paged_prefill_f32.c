@@ -232,9 +232,9 @@ int kvt_paged_prefill_f32(const float *q, int64_t q_stride, const float *k_cache
 
 /*
  * 1 when a 16-float vector is one register (AVX-512). Without it GCC splits every
- * vector operation in two and this kernel ran 7x slower than torch's CPU flash
- * kernel (AVX2, one 2,048-token causal span of SmolLM2's shape): the engine then
- * prefills with torch (cpu_kernels.py, supports_prefill).
+ * vector operation in two: on an AVX2 host a cold 2,048-token SmolLM2 prefill took
+ * 2.9x as long as with torch's CPU flash kernel (bench/engine.py), so the engine
+ * prefills with torch there (cpu_kernels.py, supports_prefill).
  */
 int kvt_prefill_f32_native(void) {
 #ifdef __AVX512F__
