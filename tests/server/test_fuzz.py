@@ -184,8 +184,13 @@ def _frames(k: bytes, data: bytes, mutation: str, draw) -> list[pb.PutFrame | by
     raise AssertionError(mutation)
 
 
-def _messages(items: list[pb.PutFrame | bytes], per_batch: int) -> list[bytes]:
-    """Consecutive frames packed ``per_batch`` to a PutBatch; raw messages go alone."""
+def _messages(
+    items: list[pb.PutFrame | bytes], per_batch: int, where: list[int] | None = None
+) -> list[bytes]:
+    """Consecutive frames packed ``per_batch`` to a PutBatch; raw messages go alone.
+
+    ``where`` (if given) gets, per item, the index of the message it travels in.
+    """
     out: list[bytes] = []
     pending: list[pb.PutFrame] = []
     for item in items:
@@ -193,8 +198,12 @@ def _messages(items: list[pb.PutFrame | bytes], per_batch: int) -> list[bytes]:
             if pending:
                 out.append(pb.PutBatch(frames=pending).SerializeToString())
                 pending = []
+            if where is not None:
+                where.append(len(out))
             out.append(item)
             continue
+        if where is not None:
+            where.append(len(out))
         pending.append(item)
         if len(pending) == per_batch:
             out.append(pb.PutBatch(frames=pending).SerializeToString())
@@ -214,12 +223,16 @@ def test_put_streams_with_spoiled_blocks_store_only_the_complete_valid_ones(fuzz
     plan = data.draw(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3), label="blocks")
     items = []
     frames: list[pb.PutFrame | bytes] = []
-    for mutation in plan:
+    owner: list[int] = []  # per frame: the item it belongs to
+    for j, mutation in enumerate(plan):
         i = next(_ids)
         b = block(i, tokens=data.draw(st.integers(1, 400), label="tokens"))
         items.append((key(i), b, mutation))
-        frames += _frames(key(i), b, mutation, data.draw)
-    messages = _messages(frames, data.draw(st.integers(1, 4), label="frames per batch"))
+        spoiled = _frames(key(i), b, mutation, data.draw)
+        frames += spoiled
+        owner += [j] * len(spoiled)
+    where: list[int] = []
+    messages = _messages(frames, data.draw(st.integers(1, 4), label="frames per batch"), where)
     code = _code(lambda: raw_put(iter(messages), metadata=auth(token), timeout=10))
     first_bad = next((j for j, (_, _, m) in enumerate(items) if m != "ok"), None)
     if token != TOKENS["alpha"]:
@@ -231,6 +244,15 @@ def test_put_streams_with_spoiled_blocks_store_only_the_complete_valid_ones(fuzz
     else:
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), code
         stored_upto = first_bad
+        if items[first_bad][2] == "oversized_frame":
+            # NOTE: gRPC refuses the whole oversized message before the server sees it,
+            # so the frames sharing it never arrive: only blocks whose frames all
+            # travelled in earlier messages are stored.
+            bad = min(m for m, o in zip(where, owner, strict=True) if o == first_bad)
+            stored_upto = sum(
+                all(m < bad for m, o in zip(where, owner, strict=True) if o == j)
+                for j in range(first_bad)
+            )
     md = auth(TOKENS["alpha"])
     present = list(s.Exists(pb.KeysRequest(keys=[k for k, _, _ in items]), metadata=md).present)
     assert present[:stored_upto] == [True] * stored_upto
