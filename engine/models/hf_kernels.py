@@ -43,9 +43,9 @@ def bind_installed_kernels() -> bool:
     not installed, or when importing it fails (transformers then reports that
     itself, as it would without a checkout in the way).
     """
-    if "kernels" in sys.modules or not any(_shadows(p) for p in sys.path):
-        return False
     elsewhere = [p for p in sys.path if not _shadows(p)]
+    if "kernels" in sys.modules or len(elsewhere) == len(sys.path):
+        return False
     spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
     if spec is None or spec.loader is None:
         return False
